@@ -1,0 +1,30 @@
+# Two commands do all setup: `make run` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/eagle3 generate "def parse_args(argv):" --max-new-tokens 48
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests recipes
+
+# The whole suite, slow tests included; exit 5 (no tests collected) counts as failure.
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -n 2 -q tests
+
+fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Decoding loops: plain (one target forward per token) and speculative."""

@@ -1,0 +1,17 @@
+"""User-facing errors.
+
+`Eagle3Error` marks a mistake the user can fix (bad path, bad config, bad
+argument). Its message is one line naming the problem and the fix; the CLI
+prints it and exits with code 2, without a traceback. Anything else is a bug.
+"""
+
+
+class Eagle3Error(ValueError):
+    """A problem with the user's input; the message says what and how to fix it."""
+
+
+def notice(message: str) -> None:
+    """Tell the user something worth knowing (stderr, one line), without failing."""
+    import sys
+
+    print(f"eagle3: {message}", file=sys.stderr)

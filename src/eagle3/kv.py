@@ -1,0 +1,46 @@
+"""Static, preallocated key/value cache.
+
+One tensor pair for all layers, batch dimension kept, slot index == token
+position. Writing is an in-place `index_copy_` at the given positions, so the
+same code runs eagerly and under `torch.export`. Rewinding (truncate) needs no
+data movement: attention masks by position, so slots past the current length
+are never read, and the next write simply overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """K/V for `n_layers` layers: `k`, `v` are (L, B, n_kv, S, hd)."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
+                 head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        # Host-side bookkeeping for eager callers: number of committed positions.
+        self.length = 0
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv, T, hd) at slots `input_pos` (T,); return the layer's full K, V."""
+        self.k[layer].index_copy_(2, input_pos, k)
+        self.v[layer].index_copy_(2, input_pos, v)
+        return self.k[layer], self.v[layer]
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= `length` (the data stays; masks hide it)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot truncate a cache of {self.max_len} slots to {length}")
+        self.length = min(self.length, length)
+
+    def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""
+        n = src_slots.numel()
+        dst = torch.arange(dst_start, dst_start + n, device=src_slots.device)
+        self.k.index_copy_(3, dst, self.k.index_select(3, src_slots))
+        self.v.index_copy_(3, dst, self.v.index_select(3, src_slots))

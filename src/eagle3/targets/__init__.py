@@ -1,0 +1,160 @@
+"""Targets: the `TapTarget` protocol, the `TARGETS` registry and checkpoint loading.
+
+`load_target(path)` picks the native PyTorch decoder when the checkpoint's
+`model_type` is supported (see `NATIVE_FAMILIES`), else the transformers
+adapter `HFTarget` (with a notice), or whichever `backend=` asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import Eagle3Error, notice
+from .checkpoint import load_into, read_state_dict
+from .config import NATIVE_FAMILIES, DecoderConfig, parse_decoder_config, read_config_json
+from .decoder import NativeTarget
+from .hf import HFTarget
+from .protocol import TapTarget, TargetConfig, default_taps, validate_taps
+
+__all__ = ["TARGETS", "TargetSpec", "TapTarget", "TargetConfig", "NativeTarget", "HFTarget",
+           "DecoderConfig", "load_target", "load_native", "load_hf", "default_taps",
+           "validate_taps", "NATIVE_FAMILIES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """None -> float32 (CPU default); strings like 'bf16' accepted."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise Eagle3Error(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _generation_eos(path: str) -> tuple[int, ...] | None:
+    gen = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen):
+        return None
+    try:
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if eos is None:
+        return None
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def load_native(path: str, *, dtype: torch.dtype | str | None = None,
+                max_seq_len: int | None = None, taps=None) -> NativeTarget:
+    """Load a supported HF checkpoint directory into a `NativeTarget`."""
+    raw = read_config_json(path)
+    cfg = parse_decoder_config(raw, where=os.path.join(path, "config.json"), max_seq_len=max_seq_len)
+    eos = _generation_eos(path)
+    if eos is not None:
+        cfg.eos_token_ids = eos
+    dt = resolve_dtype(dtype)
+    state = read_state_dict(path)
+    with torch.device("meta"):
+        model = NativeTarget(cfg)
+    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    extra = load_into(model, state, path, dtype=dt, optional=optional,
+                      ignore_suffixes=("rotary_emb.inv_freq", "lm_head.weight"))
+    if extra:
+        notice(f"{path}: ignoring {len(extra)} tensor(s) the model does not use "
+               f"(e.g. {extra[0]})")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.build_buffers()
+    if taps is not None:
+        model.tap_layers = taps
+    return model.eval().requires_grad_(False)
+
+
+def load_hf(path: str, *, dtype: torch.dtype | str | None = None,
+            max_seq_len: int | None = None, taps=None) -> HFTarget:
+    """Load any checkpoint transformers can load, through the `HFTarget` adapter."""
+    read_config_json(path)  # same clear errors as the native path
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise Eagle3Error("the transformers adapter needs transformers: "
+                          "pip install 'eagle3[hf]'") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:160]
+        raise Eagle3Error(f"transformers could not load {path}: {reason}") from None
+    return HFTarget(model, max_seq_len=max_seq_len, taps=taps)
+
+
+def _load_default(path: str | None = None, **kw) -> TapTarget:
+    from ..default import default_target_dir
+
+    return load_target(default_target_dir(), **kw)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """How to load one kind of target, and the forward lengths it accepts (export bounds)."""
+
+    load: Callable[..., TapTarget]
+    max_forward_len: int
+    min_forward_len: int = 1
+    description: str = ""
+
+
+TARGETS: dict[str, TargetSpec] = {
+    "llama": TargetSpec(load_native, 4096, 1, "Llama 2/3/3.1 (rope_scaling none, linear, llama3)"),
+    "mistral": TargetSpec(load_native, 4096, 1, "Mistral (sliding window)"),
+    "qwen2": TargetSpec(load_native, 4096, 1, "Qwen2 / Qwen2.5 (q/k/v bias)"),
+    "qwen3": TargetSpec(load_native, 4096, 1, "Qwen3 (q/k RMSNorm)"),
+    "gemma2": TargetSpec(load_native, 4096, 1, "Gemma 2 (soft-capping, sliding window)"),
+    "gemma3_text": TargetSpec(load_native, 4096, 1, "Gemma 3 text (q/k norm, local/global RoPE)"),
+    "hf": TargetSpec(load_hf, 4096, 1, "any transformers AutoModelForCausalLM (adapter)"),
+    "default": TargetSpec(_load_default, 4096, 1, "the embedded default code model"),
+}
+
+BACKENDS = ("auto", "native", "hf")
+
+
+def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend: str = "auto",
+                max_seq_len: int | None = None, taps=None) -> TapTarget:
+    """Load `target` (a checkpoint dir or 'default') as a `TapTarget`.
+
+    backend: 'auto' (native when the architecture is supported, else the
+    transformers adapter), 'native', or 'hf'.
+    """
+    if backend not in BACKENDS:
+        raise Eagle3Error(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+    if max_seq_len is not None and max_seq_len < 2:
+        raise Eagle3Error(f"max_seq_len must be >= 2, got {max_seq_len}")
+    kw = dict(dtype=dtype, max_seq_len=max_seq_len, taps=taps)
+    if target == "default":
+        return _load_default(backend=backend, **kw)
+    if target in TARGETS and not os.path.isdir(target):
+        raise Eagle3Error(f"'{target}' is a target family, not a checkpoint: pass the checkpoint "
+                          "directory (the family is read from its config.json)")
+    raw = read_config_json(target)
+    if backend == "hf":
+        return load_hf(target, **kw)
+    if backend == "native" or raw.get("model_type") in NATIVE_FAMILIES:
+        try:
+            return load_native(target, **kw)
+        except Eagle3Error as e:
+            if backend == "native" or "backend='hf'" not in str(e):
+                raise
+            notice(f"{e}; falling back to the transformers adapter")
+            return load_hf(target, **kw)
+    notice(f"model_type '{raw.get('model_type')}' has no native target; using the transformers "
+           "adapter (slower)")
+    return load_hf(target, **kw)

@@ -1,0 +1,246 @@
+"""Native decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 2/3.
+
+Plain PyTorch in the spirit of nanoGPT / gpt-fast. Parameter names follow the
+Hugging Face checkpoints, so a state dict loads as is. One forward serves
+prefill, decode, chain verify and (with `attn_mask`) tree verify; it writes the
+new K/V into a `StaticKVCache` and returns logits plus the requested taps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv import StaticKVCache
+from .config import DecoderConfig, RopeConfig, rope_inv_freq
+from .protocol import default_taps, validate_taps
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; Gemma scales by (1 + w) in float32, Llama by w after casting back."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(nn.Module):
+    """cos/sin tables (S, hd) for one RoPE config, indexed by position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(rope, head_dim)  # (hd/2,)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (T, hd) each
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.layer, self.n_heads, self.n_kv, self.hd = layer, cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.scale = cfg.attn_scale or hd ** -0.5
+        self.softcap = cfg.attn_softcap
+        self.q_proj = nn.Linear(H, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.gemma)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.update(self.layer, input_pos, k, v)  # (B, nkv, S, hd)
+        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+        # GQA without copying K/V: fold the query heads of each KV group into the row axis.
+        g = self.n_heads // self.n_kv
+        q = q.reshape(B, self.n_kv, g * T, self.hd)
+        mask = mask.repeat(g, 1)  # (g*T, kv_len)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            scores = (q @ keys.transpose(-1, -2)) * self.scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+        out = out.reshape(B, self.n_heads, T, self.hd).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        H, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, H, bias=cfg.mlp_bias)
+        self.gelu = cfg.act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer; Gemma adds post-attention and post-MLP norms (sandwich)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        eps, gemma = cfg.rms_norm_eps, cfg.gemma
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+        self.gemma = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+
+    def forward(self, h: torch.Tensor, *attn_args) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), *attn_args)
+        if self.gemma:
+            h = h + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Holds the parameters under HF's `model.` prefix."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+
+
+class NativeTarget(nn.Module):
+    """A `TapTarget` implemented in plain PyTorch with a static KV cache."""
+
+    def __init__(self, cfg: DecoderConfig, taps: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.build_buffers()
+        self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
+        self.layer_window_idx = [self.windows.index(w) for w in cfg.layer_windows]
+        self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.gemma else None
+        self._taps: tuple[int, ...] = ()
+        if taps is not None:
+            self.tap_layers = taps
+
+    def build_buffers(self) -> None:
+        """(Re)compute the RoPE tables; needed after building the module on the meta device."""
+        cfg = self.config
+        ropes = sorted(set(cfg.layer_rope), key=repr)
+        self.ropes = nn.ModuleList(Rope(r, cfg.head_dim, cfg.max_seq_len) for r in ropes)
+        self.layer_rope_idx = [ropes.index(r) for r in cfg.layer_rope]
+
+    # -- taps -----------------------------------------------------------------
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        if not self._taps:  # resolved lazily so small targets load before taps are chosen
+            self._taps = default_taps(self.config.num_hidden_layers)
+        return self._taps
+
+    @tap_layers.setter
+    def tap_layers(self, layers) -> None:
+        self._taps = validate_taps(layers, self.config.num_hidden_layers)
+
+    # -- protocol -------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Raw embedding rows (B, T, H), without Gemma's sqrt(H) scale: what a draft head consumes."""
+        return self.model.embed_tokens(tokens)
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> StaticKVCache:
+        cfg = self.config
+        return StaticKVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads,
+                             max_len or cfg.max_seq_len, cfg.head_dim,
+                             dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+
+    def truncate_cache(self, cache: StaticKVCache, length: int) -> None:
+        cache.truncate(length)
+
+    def forward_logits_taps(self, tokens: torch.Tensor, input_pos: torch.Tensor,
+                            cache: StaticKVCache, *, kv_len: int | None = None,
+                            attn_mask: torch.Tensor | None = None,
+                            rope_pos: torch.Tensor | None = None, last_only: bool = False,
+                            with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments."""
+        S = kv_len or cache.max_len
+        h = self.model.embed_tokens(tokens)  # (B, T, H)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        # One (T, S) mask per distinct window; True = may attend.
+        key_pos = torch.arange(S, device=tokens.device)[None, :]
+        q_pos = input_pos[:, None]
+        masks = []
+        for w in self.windows:
+            if attn_mask is not None:
+                m = attn_mask
+            else:
+                m = key_pos <= q_pos
+            if w is not None:
+                m = m & (key_pos > q_pos - w)
+            masks.append(m)
+        rp = input_pos if rope_pos is None else rope_pos
+        rot = [r(rp, h.dtype) for r in self.ropes]
+
+        want = set(self.tap_layers) if with_taps else set()
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            if i in want:
+                taps.append(h)
+            cos, sin = rot[self.layer_rope_idx[i]]
+            h = layer(h, cos, sin, masks[self.layer_window_idx[i]], input_pos, cache, S)
+        if self.config.num_hidden_layers in want:  # tap L is the final normed state
+            h = self.model.norm(h)
+            taps.append(h)
+            h = h[:, -1:] if last_only else h
+        else:
+            h = self.model.norm(h[:, -1:] if last_only else h)
+        logits = self.lm_head(h)  # (B, T|1, V)
+        if self.config.final_softcap:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits, (torch.cat(taps, dim=-1) if taps else None)
+
+    forward = forward_logits_taps

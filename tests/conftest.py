@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints, built and saved in the tests (seeded).
+
+`VARIANTS` covers every family and config quirk the native targets support.
+`make_checkpoint(dir, name)` saves one with `save_pretrained` and returns the
+transformers model, which is the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama_mha": ("LlamaConfig", {"num_key_value_heads": 4}),
+    "llama_mqa_head_dim": ("LlamaConfig", {"num_key_value_heads": 1, "head_dim": 24}),
+    "llama3_rope": ("LlamaConfig", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}, "rope_theta": 500000.0}),
+    "llama_linear_rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": ("MistralConfig", {"sliding_window": 7}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 7, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 7,
+                                    "query_pre_attn_scalar": 24}),
+}
+
+
+def make_hf_model(name: str, seed: int = 0, scale: float = 4.0, **overrides):
+    """A seeded random transformers causal LM for variant `name` (weights scaled up)."""
+    cls_name, extra = VARIANTS[name]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in n:
+                p.mul_(scale)
+            elif p.dim() == 1 and "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)  # norms away from identity, so (1+w) vs w matters
+    return model
+
+
+def make_checkpoint(path: str, name: str, seed: int = 0, **save_kw):
+    """Save variant `name` to `path` with `save_pretrained`; return the oracle model."""
+    model = make_hf_model(name, seed)
+    model.save_pretrained(path, **save_kw)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{variant: (dir, oracle model)} for every variant, built once per session."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name in VARIANTS:
+        d = os.path.join(root, name)
+        out[name] = (d, make_checkpoint(d, name))
+    return out
