@@ -14,6 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+# Tiny models: one thread per test worker avoids oversubscribing the 2 cores (pytest -n 2).
+torch.set_num_threads(1)
+
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
@@ -22,17 +25,27 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "llama_mha": ("LlamaConfig", {"num_key_value_heads": 4}),
     "llama_mqa_head_dim": ("LlamaConfig", {"num_key_value_heads": 1, "head_dim": 24}),
+    # original_max_position_embeddings 64 puts the head_dim-16 frequencies in all three llama3
+    # bands (wavelengths 6.3 < 16 kept, 32 in 16..64 smoothed, >= 167 > 64 divided by factor).
     "llama3_rope": ("LlamaConfig", {"rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}, "rope_theta": 500000.0}),
+        "original_max_position_embeddings": 64}, "rope_theta": 500000.0}),
     "llama_linear_rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama_bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": 7}),
     "qwen2": ("Qwen2Config", {}),
+    # Qwen2 sliding window on layers >= max_window_layers only (mixed full / sliding layers).
+    "qwen2_swa": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 7,
+                                  "max_window_layers": 3}),
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 7, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 7,
                                     "query_pre_attn_scalar": 24}),
+    # Gemma 3 4B+: linear RoPE scaling on the global layers only, local base on sliding ones.
+    "gemma3_linear_rope": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 7,
+                                                "query_pre_attn_scalar": 24,
+                                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
 }
 
 
@@ -48,6 +61,8 @@ def make_hf_model(name: str, seed: int = 0, scale: float = 4.0, **overrides):
                 p.mul_(scale)
             elif p.dim() == 1 and "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)  # norms away from identity, so (1+w) vs w matters
+            elif p.dim() == 1 and "bias" in n:
+                p.add_(torch.randn_like(p) * 0.1)  # biases are zero-initialised: make them matter
     return model
 
 

@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import eagle3
 
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.max_seq_len, taps=args.taps)
     tok = spec.tokenizer
     if args.prompt_ids is not None:
         if args.prompt is not None:
@@ -62,6 +62,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"eagle3: {n} new tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s), "
               f"{stats['target_forwards']} target forwards, tau {stats['mean_accept_len']:.2f}",
               file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .draft import convert_head
+
+    src_fmt = convert_head(args.src, args.dst, args.to)
+    print(f"converted {args.src} ({src_fmt}) -> {args.dst} ({args.to})")
     return 0
 
 
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="EAGLE-3 head directory, or 'none' for plain decoding (default: the default "
                         "head for --target default, else none)")
+    g.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
+                   help="target layers feeding the head (default: the head config's ids, else "
+                        "2,L//2,L-3); tap k = hidden state entering layer k")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
                    help="draft tokens per round (chain drafting)")
@@ -111,11 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a target checkpoint or an EAGLE-3 head",
-                       description="Describe a checkpoint directory: architecture, sizes, default "
-                       "taps, maximum length.")
-    i.add_argument("path", help="checkpoint directory")
+                       description="Describe a checkpoint directory. Targets: architecture, sizes, "
+                       "default taps, maximum length. EAGLE-3 heads: format, sizes, vocabulary, "
+                       "taps, whether an embedding ships.")
+    i.add_argument("path", help="target checkpoint or EAGLE-3 head directory")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("convert", help="convert an EAGLE-3 head between formats",
+                       description="Convert an EAGLE-3 head between the official EAGLE release, "
+                       "SGLang and vLLM speculators formats (auto-detected source, tensor-for-tensor "
+                       "lossless). Tap ids are copied verbatim.")
+    c.add_argument("src", help="source head directory")
+    c.add_argument("dst", help="destination directory (created)")
+    c.add_argument("--to", required=True, choices=("official", "sglang", "speculators"),
+                   help="target format")
+    c.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -39,6 +39,13 @@ def default_target_dir() -> str:
     return str(cache)
 
 
+def default_head_dir() -> str | None:
+    """The default EAGLE-3 head directory, or None while none ships (plain decoding)."""
+    env = os.environ.get("EAGLE3_DEFAULT_HEAD_DIR")
+    shipped = Path(env) if env else REPO_MODELS / "head"
+    return str(shipped) if (shipped / "config.json").is_file() else None
+
+
 def build_random_checkpoint(out: str, config: dict | None = None, seed: int = 0) -> None:
     """Write a seeded random Llama checkpoint (+ byte-level tokenizer) to `out`."""
     from safetensors.torch import save_file

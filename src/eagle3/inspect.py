@@ -10,10 +10,75 @@ from .targets.checkpoint import weight_files
 from .targets.config import NATIVE_FAMILIES, parse_decoder_config, read_config_json
 from .targets.protocol import default_taps
 
+# Other spellings of the sizes in configs the native targets do not cover (GPT-2, T5-style, ...).
+ALIASES = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_sequence_length",
+                                "seq_length"),
+}
+
+
+def _lookup(raw: dict, key: str) -> Any:
+    """`key` (or an alias) from the config, or from its nested `text_config`."""
+    for cfg in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        for name in ALIASES.get(key, (key,)):
+            if cfg.get(name) is not None:
+                return cfg[name]
+    return None
+
+
+def _has_fc(path: str) -> bool:
+    """An official head's config looks like a 1-layer Llama target's; only the head has `fc`."""
+    import torch
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        try:
+            if f.endswith(".safetensors"):
+                with safe_open(f, "pt") as st:
+                    names = set(st.keys())
+            else:
+                names = set(torch.load(f, map_location="cpu", mmap=True, weights_only=True))
+        except Exception:  # unreadable: let inspect_head report it as the head it claims to be
+            return True
+        if "fc.weight" in names or "model.fc.weight" in names:
+            return True
+    return False
+
+
+def inspect_head(path: str, raw: dict) -> dict[str, Any]:
+    """Describe an EAGLE-3 head (reads its tensors for the embedding and d2t checks)."""
+    from .draft.formats import read_head, validate_head
+
+    fmt, cfg, state = read_head(path)
+    validate_head(cfg, state, path)
+    n_params = sum(t.numel() for k, t in state.items() if k not in ("d2t", "t2d"))
+    return {"path": path, "kind": "eagle3 head", "format": fmt,
+            "architecture": (raw.get("architectures") or ["?"])[0],
+            "hidden_size": cfg.hidden_size, "target_hidden_size": cfg.target_hidden_size,
+            "intermediate_size": cfg.intermediate_size, "heads": cfg.num_attention_heads,
+            "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+            "reduced_vocab": cfg.draft_vocab_size != cfg.vocab_size, "has_d2t": "d2t" in state,
+            "taps": list(cfg.taps) if cfg.taps else "target default (2, L//2, L-3)",
+            "embedding": "ships embed_tokens" if "embed_tokens.weight" in state
+            else "none (uses the target's)",
+            "rope_theta": cfg.rope.theta, "norm_before_residual": cfg.norm_before_residual,
+            "norm_before_fc": cfg.norm_before_fc, "parameters": n_params}
+
 
 def inspect_path(path: str) -> dict[str, Any]:
-    """A flat description of the checkpoint at `path` (no weights are loaded)."""
+    """A flat description of the target or head at `path`."""
+    from .draft.formats import detect_format
+
     raw = read_config_json(path)
+    try:
+        is_head = detect_format(raw) != "official" or _has_fc(path)
+    except Eagle3Error:
+        is_head = False
+    if is_head:
+        return inspect_head(path, raw)
     info: dict[str, Any] = {"path": path, "kind": "target",
                             "architecture": (raw.get("architectures") or ["?"])[0],
                             "model_type": raw.get("model_type")}
@@ -28,10 +93,15 @@ def inspect_path(path: str) -> dict[str, Any]:
                     sliding_window=next((w for w in cfg.layer_windows if w), None))
         L = cfg.num_hidden_layers
     else:
-        L = int(raw.get("num_hidden_layers") or 0)
+        try:
+            L = int(_lookup(raw, "num_hidden_layers") or 0)
+        except (TypeError, ValueError):
+            L = 0
+        max_pos = _lookup(raw, "max_position_embeddings")
         info.update(backend="hf (transformers adapter)", layers=L,
-                    hidden_size=raw.get("hidden_size"), vocab_size=raw.get("vocab_size"),
-                    max_position_embeddings=raw.get("max_position_embeddings"))
+                    hidden_size=_lookup(raw, "hidden_size"), vocab_size=_lookup(raw, "vocab_size"),
+                    max_position_embeddings=max_pos,
+                    max_seq_len=min(max_pos, 4096) if isinstance(max_pos, int) else 4096)
     try:
         info["default_taps"] = list(default_taps(L))
     except Eagle3Error:

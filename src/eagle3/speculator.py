@@ -1,7 +1,17 @@
 """`Eagle3Speculator`: a target plus (optionally) an EAGLE-3 draft head.
 
-`generate` is the user-facing entry point. Without a draft head it runs plain
-greedy decoding, the reference every speculative path reproduces.
+The four methods follow ExecuTorch's `Eagle3Speculator` contract and hold the
+KV caches as state (batch dimension kept):
+
+    prefill(tokens, input_pos)               -> (token (B,), feature (B, T, H))
+    target_verify(tokens, input_pos)         -> (verify_ids (B, T), feature (B, T, H))
+    draft_decode(tokens, feature, input_pos) -> (target_ids (B, T), next_feature (B, T, H))
+    decode(tokens, input_pos)                -> (token (B,), feature (B, 1, H))   (eager only)
+
+Features are the fused H-wide draft features `fc(taps)`. The optional
+`kv_len` (a Python int) bounds attention to the live slots, an eager speed-up;
+without it the whole static cache is masked by position (export-friendly: no
+control flow on tensor values). `generate` is the user-facing entry point.
 """
 
 from __future__ import annotations
@@ -12,9 +22,13 @@ from typing import Any
 
 import torch
 
+from .decoding.chain import chain_generate
 from .decoding.plain import plain_greedy
-from .errors import Eagle3Error
+from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget
+
+DEFAULT_NUM_DRAFT_TOKENS = 4
+MAX_NUM_DRAFT_TOKENS = 32
 
 
 @dataclass
@@ -44,7 +58,7 @@ def check_request(prompt_ids: Any, max_new_tokens: Any, vocab_size: int, max_len
     if bad:
         raise Eagle3Error(f"token id {bad[0]} is outside the target's vocabulary (0..{vocab_size - 1}); "
                           "check the tokenizer matches the target")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise Eagle3Error(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if len(ids) + max_new_tokens > max_len:
         raise Eagle3Error(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -53,35 +67,134 @@ def check_request(prompt_ids: Any, max_new_tokens: Any, vocab_size: int, max_len
     return ids
 
 
+def check_num_draft_tokens(k: Any) -> int:
+    if k is None:
+        return DEFAULT_NUM_DRAFT_TOKENS
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise Eagle3Error(f"num_draft_tokens must be an integer in 1..{MAX_NUM_DRAFT_TOKENS}, got {k!r}")
+    return k
+
+
 class Eagle3Speculator:
-    """A target (`TapTarget`) and an optional EAGLE-3 draft head."""
+    """A target (`TapTarget`) and an optional EAGLE-3 draft head (with an embedding)."""
 
     def __init__(self, target: TapTarget, draft: Any = None, tokenizer: Any = None) -> None:
+        if draft is not None and getattr(draft, "embed_tokens", None) is None:
+            raise Eagle3Error("the draft head has no embedding; attach it to the target first "
+                              "(eagle3.draft.attach_head) so it shares the target's table")
         self.target = target
         self.draft = draft
+        # The taps this head was attached with; re-applied per sequence, since
+        # several speculators may share one target.
+        self.taps = tuple(target.tap_layers) if draft is not None else None
         self.tokenizer = tokenizer
+        self.target_cache: Any = None
+        self.draft_cache: Any = None
+        self._warned_low_acceptance = False
 
     @property
     def max_seq_len(self) -> int:
         return self.target.config.max_seq_len
 
+    def reset_caches(self) -> None:
+        """Start a new sequence: allocate the caches once, then just forget their contents."""
+        if self.taps is not None:
+            self.target.tap_layers = self.taps
+        if self.target_cache is None:
+            self.target_cache = self.target.new_cache(1, self.max_seq_len)
+        self.target.truncate_cache(self.target_cache, 0)
+        if self.draft is not None:
+            if self.draft_cache is None:
+                self.draft_cache = self.draft.new_cache(1, self.max_seq_len)
+            self.draft_cache.truncate(0)
+
+    def _caches(self) -> None:
+        if self.target_cache is None or (self.draft is not None and self.draft_cache is None):
+            self.reset_caches()
+
+    # -- the ExecuTorch contract ---------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over the prompt: next greedy token (B,) and features (B, T, H)."""
+        self._caches()
+        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                       kv_len=kv_len, last_only=True)
+        return logits[:, -1].argmax(-1), self._fuse(taps)
+
+    @torch.no_grad()
+    def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over [anchor, drafts]: verify_ids[i] = greedy token after token i."""
+        self._caches()
+        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                       kv_len=kv_len)
+        return logits.argmax(-1), self._fuse(taps)
+
+    @torch.no_grad()
+    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, *,
+                     kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft forward: T>1 seeds the draft cache, T=1 steps. Returns target ids and next features."""
+        if self.draft is None:
+            raise Eagle3Error("this speculator has no draft head (loaded with draft='none')")
+        self._caches()
+        logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
+        return self.draft.to_target_ids(logits.argmax(-1)), h
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One plain target step (eager only): next greedy token (B,) and its feature."""
+        self._caches()
+        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                       kv_len=kv_len, with_taps=self.draft is not None)
+        return logits[:, -1].argmax(-1), (self._fuse(taps) if taps is not None else None)
+
+    def _fuse(self, taps: torch.Tensor | None) -> torch.Tensor | None:
+        return self.draft.fuse(taps) if self.draft is not None and taps is not None else taps
+
+    # -- generation ------------------------------------------------------------------------------
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft_tokens: int | None = None, tree: Any = None,
                  stop_token_ids: Any = None) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids`.
 
-        Greedy unless `temperature > 0`. Generation stops after the first token
-        in `stop_token_ids` (default: the target's EOS ids; `[]` never stops).
+        Greedy: token-identical to plain decoding with the target alone. Stops
+        after the first token in `stop_token_ids` (default: the target's EOS
+        ids; `[]` never stops). `num_draft_tokens` = K for chain drafting.
         """
         cfg = self.target.config
         ids = check_request(prompt_ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
+        k = check_num_draft_tokens(num_draft_tokens)
         if temperature != 0.0:
             raise Eagle3Error("sampling (temperature > 0) is not implemented yet; use temperature=0")
-        stop = frozenset(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        if tree not in (None, False):
+            raise Eagle3Error("tree drafting is not implemented yet; use chain drafting (tree=None)")
+        try:
+            stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
+                                                 else stop_token_ids))
+        except (TypeError, ValueError):
+            raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
         stats = empty_stats()
         t0 = time.perf_counter()
-        tokens, forwards = plain_greedy(self.target, ids, max_new_tokens, stop)
-        stats["target_forwards"] = forwards
+        if self.draft is None:
+            tokens, stats["target_forwards"] = plain_greedy(self.target, ids, max_new_tokens, stop)
+        else:
+            tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats)
+            if stats["rounds"]:
+                stats["mean_accept_len"] = 1.0 + stats["accepted_tokens"] / stats["rounds"]
+            self._check_acceptance(stats)
         stats["seconds"] = time.perf_counter() - t0
         return GenerationResult(tokens, stats)
+
+    def _check_acceptance(self, stats: dict) -> None:
+        # A head paired with the wrong taps (e.g. SGLang's +1 ids) drafts garbage silently.
+        if self._warned_low_acceptance or stats["draft_tokens"] < 32:
+            return
+        rate = stats["accepted_tokens"] / stats["draft_tokens"]
+        if rate < 0.05:
+            self._warned_low_acceptance = True
+            notice(f"draft acceptance is near zero ({rate:.1%}): the head may belong to another "
+                   f"target or use other taps (now {list(self.target.tap_layers)}); check its "
+                   "eagle_aux_hidden_state_layer_ids (SGLang-captured ids are off by one)")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -47,11 +47,14 @@ def _generation_eos(path: str) -> tuple[int, ...] | None:
     try:
         with open(gen) as f:
             eos = json.load(f).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError):
-        return None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise Eagle3Error(f"{gen} is not a valid JSON object; fix or delete it") from None
     if eos is None:
         return None
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise Eagle3Error(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(ids)
 
 
 def load_native(path: str, *, dtype: torch.dtype | str | None = None,
@@ -89,11 +92,18 @@ def load_hf(path: str, *, dtype: torch.dtype | str | None = None,
     except ImportError:
         raise Eagle3Error("the transformers adapter needs transformers: "
                           "pip install 'eagle3[hf]'") from None
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its multi-line load reports would bury our one-line error
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        reason = str(e).splitlines()[0][:160]
-        raise Eagle3Error(f"transformers could not load {path}: {reason}") from None
+    except Exception as e:  # transformers and safetensors raise many unrelated types here
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise Eagle3Error(f"transformers could not load {path} ({reason}); check the checkpoint "
+                          "is complete and matches its config.json") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return HFTarget(model, max_seq_len=max_seq_len, taps=taps)
 
 

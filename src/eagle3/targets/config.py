@@ -116,6 +116,20 @@ def _need(cfg: dict, key: str, where: str):
     return cfg[key]
 
 
+def _size(cfg: dict, key: str, where: str, default: int | None = None) -> int:
+    """`cfg[key]` as a positive int; `default` (when given) stands in for a missing/null/0 value."""
+    value = cfg.get(key)
+    if value in (None, 0) and default is not None:
+        return default
+    value = _need(cfg, key, where)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Eagle3Error(f"{where}: '{key}' must be a positive integer, got {value!r}; "
+                          "fix config.json")
+    return value
+
+
 def _layer_types(cfg: dict, model_type: str, n_layers: int) -> list[str]:
     types = cfg.get("layer_types")
     if types:
@@ -140,6 +154,17 @@ def _layer_types(cfg: dict, model_type: str, n_layers: int) -> list[str]:
 def parse_decoder_config(cfg: dict, where: str = "config.json",
                          max_seq_len: int | None = None) -> DecoderConfig:
     """Map a HF config dict to `DecoderConfig`, or raise `Eagle3Error`."""
+    try:
+        return _parse_decoder_config(cfg, where, max_seq_len)
+    except Eagle3Error:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a value of the wrong type
+        reason = (str(e).splitlines() or [""])[0][:120]
+        raise Eagle3Error(f"{where}: malformed config.json ({type(e).__name__}: {reason}); fix or "
+                          "re-save the checkpoint's config") from None
+
+
+def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> DecoderConfig:
     model_type = cfg.get("model_type")
     if model_type not in NATIVE_FAMILIES:
         supported = ", ".join(sorted(NATIVE_FAMILIES))
@@ -147,15 +172,15 @@ def parse_decoder_config(cfg: dict, where: str = "config.json",
                           f"{supported}); load it through the transformers adapter with "
                           "backend='hf' (--backend hf)")
     gemma = NATIVE_FAMILIES[model_type] == "gemma"
-    H = int(_need(cfg, "hidden_size", where))
-    n_heads = int(_need(cfg, "num_attention_heads", where))
-    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-    head_dim = int(cfg.get("head_dim") or H // n_heads)
-    n_layers = int(_need(cfg, "num_hidden_layers", where))
+    H = _size(cfg, "hidden_size", where)
+    n_heads = _size(cfg, "num_attention_heads", where)
+    n_kv = _size(cfg, "num_key_value_heads", where, default=n_heads)
+    head_dim = _size(cfg, "head_dim", where, default=max(H // n_heads, 1))
+    n_layers = _size(cfg, "num_hidden_layers", where)
     if n_heads % n_kv:
         raise Eagle3Error(f"{where}: num_attention_heads {n_heads} is not a multiple of "
                           f"num_key_value_heads {n_kv}")
-    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    max_pos = _size(cfg, "max_position_embeddings", where, default=4096)
 
     # RoPE: transformers 5 `rope_parameters` or the older top-level keys.
     types = _layer_types(cfg, model_type, n_layers)
@@ -193,8 +218,8 @@ def parse_decoder_config(cfg: dict, where: str = "config.json",
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     seq = min(max_pos, max_seq_len) if max_seq_len else min(max_pos, 4096)
     return DecoderConfig(
-        model_type=model_type, vocab_size=int(_need(cfg, "vocab_size", where)), hidden_size=H,
-        intermediate_size=int(_need(cfg, "intermediate_size", where)),
+        model_type=model_type, vocab_size=_size(cfg, "vocab_size", where), hidden_size=H,
+        intermediate_size=_size(cfg, "intermediate_size", where),
         num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv,
         head_dim=head_dim, max_position_embeddings=max_pos,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),

@@ -59,7 +59,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
-        self.layer, self.n_heads, self.n_kv, self.hd = layer, cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.layer, self.hd = layer, hd
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.scale = cfg.attn_scale or hd ** -0.5
         self.softcap = cfg.attn_softcap
         self.q_proj = nn.Linear(H, self.n_heads * hd, bias=cfg.qkv_bias)
@@ -190,6 +191,11 @@ class NativeTarget(nn.Module):
         """Raw embedding rows (B, T, H), without Gemma's sqrt(H) scale: what a draft head consumes."""
         return self.model.embed_tokens(tokens)
 
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """The raw token embedding table (V, H), shared with heads that ship none."""
+        return self.model.embed_tokens.weight
+
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> StaticKVCache:
         cfg = self.config
         return StaticKVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads,
@@ -209,19 +215,17 @@ class NativeTarget(nn.Module):
         h = self.model.embed_tokens(tokens)  # (B, T, H)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        # One (T, S) mask per distinct window; True = may attend.
+        rp = input_pos if rope_pos is None else rope_pos
+        # One (T, S) mask per distinct window; True = may attend. The window is measured from
+        # the query's position `rp`, not its slot: tree slots run ahead of their positions (a
+        # committed key's slot is its position; a tree key's slot is >= its position).
         key_pos = torch.arange(S, device=tokens.device)[None, :]
-        q_pos = input_pos[:, None]
         masks = []
         for w in self.windows:
-            if attn_mask is not None:
-                m = attn_mask
-            else:
-                m = key_pos <= q_pos
+            m = key_pos <= input_pos[:, None] if attn_mask is None else attn_mask
             if w is not None:
-                m = m & (key_pos > q_pos - w)
+                m = m & (key_pos > rp[:, None] - w)
             masks.append(m)
-        rp = input_pos if rope_pos is None else rope_pos
         rot = [r(rp, h.dtype) for r in self.ropes]
 
         want = set(self.tap_layers) if with_taps else set()

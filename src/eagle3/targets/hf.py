@@ -24,14 +24,33 @@ class HFCache:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=model.config)
+        try:
+            from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        except ImportError:  # transformers 4.x: every layer keeps every position already
+            pass
+        else:
+            # A sliding-window layer keeps only its last window-1 positions, so it cannot be
+            # rewound past them: keep every position (the model's mask still applies the window).
+            self.cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer)
+                                 else layer for layer in self.cache.layers]
         self.batch_size = batch_size
         self.max_len = max_len
         self.length = 0
 
     def truncate(self, length: int) -> None:
-        if self.cache.get_seq_length() > length:
-            self.cache.crop(length)
+        crop_cache(self.cache, length)
         self.length = min(self.length, length)
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Crop a transformers cache to its first `length` positions.
+
+    A negative count (tokens to remove) means the same on transformers 4.x and 5.x;
+    5.x rejects the older positive "new length" form.
+    """
+    cached = cache.get_seq_length()
+    if cached > length:
+        cache.crop(length - cached)
 
 
 class HFTarget:
@@ -71,6 +90,10 @@ class HFTarget:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens)
 
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> HFCache:
         return HFCache(self.model, batch_size, max_len or self.config.max_seq_len)
 
@@ -87,7 +110,7 @@ class HFTarget:
                               "(tree verification); use a native target")
         start = int(input_pos[0])
         if start < cache.cache.get_seq_length():
-            cache.cache.crop(start)
+            crop_cache(cache.cache, start)
         elif start > cache.cache.get_seq_length():
             raise Eagle3Error(f"HF cache holds {cache.cache.get_seq_length()} positions; cannot "
                               f"write at {start} (writes must be contiguous)")

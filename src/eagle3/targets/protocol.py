@@ -51,7 +51,7 @@ def validate_taps(taps: Any, num_layers: int) -> tuple[int, ...]:
     if any(t < 0 or t > num_layers for t in taps):
         raise Eagle3Error(f"taps {taps} out of range: each must be in 0..{num_layers} "
                           f"(0 = embeddings, {num_layers} = final normed hidden state)")
-    if any(a >= b for a, b in zip(taps, taps[1:])):
+    if any(a >= b for a, b in zip(taps[:-1], taps[1:], strict=True)):
         raise Eagle3Error(f"taps {taps} must be unique and ascending (low, mid, high)")
     return taps
 

@@ -1,0 +1,71 @@
+"""The EAGLE-3 draft head, its formats, and attaching it to a target."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import Eagle3Error
+from ..targets.protocol import TapTarget, default_taps, validate_taps
+from .formats import FORMATS, convert_head, detect_format, load_head, parse_head_config, save_head
+from .model import DraftConfig, Eagle3Draft
+
+__all__ = ["DraftConfig", "Eagle3Draft", "FORMATS", "attach_head", "convert_head", "detect_format",
+           "load_head", "parse_head_config", "save_head"]
+
+
+def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
+                taps=None) -> None:
+    """Check `head` fits `target`, set the target's taps, and share the target's embedding if needed.
+
+    Taps: `taps` if given, else the head config's, else the target's default (2, L//2, L-3).
+    """
+    cfg, tcfg = head.config, target.config
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise Eagle3Error(f"{where} was made for a vocabulary of {cfg.vocab_size} tokens, the target has "
+                          f"{tcfg.vocab_size}: this head belongs to a different target")
+    if cfg.target_hidden_size != tcfg.hidden_size:
+        raise Eagle3Error(f"{where} expects target hidden size {cfg.target_hidden_size}, the target has "
+                          f"{tcfg.hidden_size}: this head belongs to a different target")
+    taps = taps or cfg.taps or default_taps(tcfg.num_hidden_layers)
+    taps = validate_taps(taps, tcfg.num_hidden_layers)
+    if len(taps) != cfg.num_taps:
+        raise Eagle3Error(f"{where}: fc takes {cfg.num_taps} taps but the config names {len(taps)}")
+    target.tap_layers = taps
+    if head.embed_tokens is None:
+        table = target.embedding_weight
+        if tuple(table.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise Eagle3Error(f"{where} ships no embed_tokens and the target's embedding table is "
+                              f"{tuple(table.shape)}, not ({cfg.vocab_size}, {cfg.hidden_size}); "
+                              "this head needs its own embedding (or belongs to another target)")
+        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        emb.weight = table if isinstance(table, nn.Parameter) else nn.Parameter(table, requires_grad=False)
+        head.embed_tokens = emb
+    if head.embed_tokens.weight.dtype != head.fc.weight.dtype:
+        raise Eagle3Error(f"{where}: embedding dtype {head.embed_tokens.weight.dtype} differs from the "
+                          f"head's {head.fc.weight.dtype}; load target and head with the same dtype")
+
+
+@torch.no_grad()
+def random_head(target: TapTarget, *, draft_vocab_size: int | None = None, seed: int = 0,
+                scale: float = 0.05, taps: tuple[int, ...] | None = None) -> Eagle3Draft:
+    """A seeded random head for `target` (tests and demos); reduced vocab when draft_vocab_size < V."""
+    tcfg = target.config
+    H = tcfg.hidden_size
+    heads = max(1, H // 32)
+    V = tcfg.vocab_size
+    dv = draft_vocab_size or V
+    cfg = DraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=heads,
+                      num_key_value_heads=heads, head_dim=H // heads, vocab_size=V,
+                      draft_vocab_size=dv, target_hidden_size=H, taps=taps)
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3Draft(cfg, max_len=tcfg.max_seq_len, with_embedding=False)
+    for p in head.parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    if dv < V:
+        used = torch.sort(torch.randperm(V, generator=g)[:dv]).values
+        head.d2t.copy_(used - torch.arange(dv))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    return head.eval()

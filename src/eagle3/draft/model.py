@@ -1,0 +1,166 @@
+"""The EAGLE-3 draft head: `fc` over three target taps, then one Llama-style layer.
+
+One step (DESIGN §2):
+    residual = g                      (hidden_norm(g) if norm_before_residual)
+    a = cat([input_layernorm(embed(tok)), hidden_norm(g)])       # (B, T, 2H)
+    h = residual + o_proj(attn(q/k/v_proj(a)))                   # RoPE, causal
+    h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                                    # (B, T, draft_vocab)
+`h` (pre-norm) is the recurrent feature for the next step; `g` is either the
+fused target feature `fc(taps)` or the previous step's `h`. Parameter names are
+the official release's (`midlayer.*`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv import StaticKVCache
+from ..targets.config import RopeConfig
+from ..targets.decoder import RMSNorm, Rope, rotate_half
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (embedding rows)
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    taps: tuple[int, ...] | None = None  # from the head's config, in our convention; None = default
+    num_taps: int = 3
+    extra: dict = field(default_factory=dict)  # format-specific keys kept for lossless round trips
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(2 * H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
+        B, T, _ = x.shape  # x: (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.update(0, input_pos, k, v)
+        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]  # (B, nkv, S, hd)
+        g = self.n_heads // self.n_kv
+        q = q.reshape(B, self.n_kv, g * T, self.hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(g, 1))
+        out = out.reshape(B, self.n_heads, T, self.hd).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, emb: torch.Tensor, g: torch.Tensor, *attn_args) -> torch.Tensor:
+        gn = self.hidden_norm(g)
+        residual = gn if self.norm_before_residual else g
+        a = torch.cat([self.input_layernorm(emb), gn], dim=-1)  # (B, T, 2H), embedding first
+        h = residual + self.self_attn(a, *attn_args)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 head. `embed_tokens` is None until the loader gives it the target's table."""
+
+    def __init__(self, cfg: DraftConfig, max_len: int = 4096, with_embedding: bool = True) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if with_embedding else None
+        self.input_norm = (RMSNorm(cfg.num_taps * cfg.target_hidden_size, cfg.rms_norm_eps)
+                           if cfg.norm_before_fc else None)
+        self.fc = nn.Linear(cfg.num_taps * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        # target_id = draft_id + d2t[draft_id]; t2d marks target ids in the draft vocab.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
+                             if cfg.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.max_len = max_len
+        self.build_buffers()
+
+    def build_buffers(self, max_len: int | None = None) -> None:
+        """(Re)compute the RoPE table (needed after building on the meta device)."""
+        self.max_len = max_len or self.max_len
+        self.rope = Rope(self.config.rope, self.config.head_dim, self.max_len)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.vocab_size
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> StaticKVCache:
+        cfg = self.config
+        w = self.fc.weight
+        return StaticKVCache(1, batch_size, cfg.num_key_value_heads, max_len or self.max_len,
+                             cfg.head_dim, dtype=w.dtype, device=w.device)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """Target taps (B, T, n*Ht) -> draft feature g (B, T, H)."""
+        if self.input_norm is not None:
+            taps = self.input_norm(taps)
+        return self.fc(taps)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids through the d2t offset table."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
+                cache: StaticKVCache, *, kv_len: int | None = None,
+                attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (B, T) with features (B, T, H) at slots `input_pos` (T,).
+
+        Returns (draft logits (B, T, draft_vocab), next feature h (B, T, H)).
+        `attn_mask` (T, kv_len) bool replaces the causal mask (tree drafting).
+        """
+        S = kv_len or cache.max_len
+        if attn_mask is None:
+            attn_mask = torch.arange(S, device=tokens.device)[None, :] <= input_pos[:, None]
+        cos, sin = self.rope(input_pos, feature.dtype)
+        emb = self.embed_tokens(tokens)  # (B, T, H)
+        h = self.midlayer(emb, feature, cos, sin, attn_mask, input_pos, cache, S)
+        return self.lm_head(self.norm(h)), h

@@ -1,0 +1,366 @@
+"""Eagle3Speculator: the four methods, the shifted chain runner, losslessness, stats, capacity.
+
+Losslessness is checked against plain greedy decoding (itself checked against
+transformers in test_targets.py) with random heads (acceptance ~0) and with
+heads built to agree with the target fully, partially or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.decoding.chain import ChainDrafter, granted_drafts
+from eagle3.draft import attach_head, random_head, save_head
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+from heads import bigram_table, forced_head, make_bigram
+
+V = 160
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Checkpoints: random targets and bigram targets (untied, so greedy paths vary)."""
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for name in ("llama", "qwen2", "gemma2"):
+        d = str(root / name)
+        make_hf_model(name, seed=1).save_pretrained(d)
+        out[name] = d
+        # Wider, so the forced heads' lookups have a wide margin (noise ~ sqrt(V) / H).
+        m = make_hf_model(name, seed=2, tie_word_embeddings=False, hidden_size=128,
+                          num_attention_heads=4, head_dim=32)
+        make_bigram(m)
+        d = str(root / f"bigram_{name}")
+        m.save_pretrained(d)
+        out[f"bigram_{name}"] = d
+    return out
+
+
+def prompts(n: int, seed: int = 0, low: int = 1, high: int = 24) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def plain_tokens(target, prompt, n, stop=()):
+    return Eagle3Speculator(target).generate(prompt, n, stop_token_ids=list(stop)).token_ids
+
+
+def spec_with(target, head) -> Eagle3Speculator:
+    attach_head(head, target)
+    return Eagle3Speculator(target, head)
+
+
+# -- the four methods ------------------------------------------------------------------------------
+
+def test_methods_match_the_underlying_models(dirs):
+    t = load_target(dirs["llama"])
+    head = random_head(t, taps=(1, 3, 5))
+    spec = spec_with(t, head)
+    prompt = torch.tensor([prompts(1, 3, 10, 11)[0]])  # (1, 10)
+    n = prompt.shape[1]
+    with torch.no_grad():
+        ref_logits, ref_taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache())
+    spec.reset_caches()
+    tok, feat = spec.prefill(prompt, torch.arange(n))
+    assert tok.tolist() == [int(ref_logits[0, -1].argmax())]
+    torch.testing.assert_close(feat, head.fuse(ref_taps))
+    assert feat.shape == (1, n, head.config.hidden_size)
+
+    # target_verify reuses the prefilled cache: same as one forward over prompt + new tokens.
+    new = torch.tensor([[5, 6, 7, 8]])
+    vids, vfeat = spec.target_verify(new, torch.arange(n, n + 4))
+    with torch.no_grad():
+        full_logits, full_taps = t.forward_logits_taps(torch.cat([prompt, new], 1), torch.arange(n + 4),
+                                                       t.new_cache())
+    assert vids.tolist() == full_logits[:, n:].argmax(-1).tolist()
+    torch.testing.assert_close(vfeat, head.fuse(full_taps[:, n:]), atol=1e-5, rtol=1e-5)
+
+    # draft_decode == the head's own forward mapped through d2t.
+    ids, h = spec.draft_decode(prompt, feat, torch.arange(n))
+    with torch.no_grad():
+        dlogits, dh = head(prompt, feat, torch.arange(n), head.new_cache())
+    assert ids.tolist() == head.to_target_ids(dlogits.argmax(-1)).tolist()
+    torch.testing.assert_close(h, dh)
+
+    # decode: one plain step.
+    spec.reset_caches()
+    spec.prefill(prompt, torch.arange(n))
+    nxt, f1 = spec.decode(tok.view(1, 1), torch.tensor([n]))
+    with torch.no_grad():
+        ref, _ = t.forward_logits_taps(torch.cat([prompt, tok.view(1, 1)], 1), torch.arange(n + 1),
+                                       t.new_cache())
+    assert nxt.tolist() == [int(ref[0, -1].argmax())]
+    assert f1.shape == (1, 1, head.config.hidden_size)
+
+
+def test_alignment_contract(dirs):
+    """prefill token == greedy[0]; target_verify over [greedy[0..K]] gives greedy[1..K+1]."""
+    t = load_target(dirs["qwen2"])
+    spec = spec_with(t, random_head(t, taps=(0, 3, 6)))
+    for prompt in prompts(3, 5):
+        greedy = plain_tokens(t, prompt, 10)
+        n = len(prompt)
+        spec.reset_caches()
+        tok, _ = spec.prefill(torch.tensor([prompt]), torch.arange(n))
+        assert int(tok) == greedy[0]
+        vids, vfeat = spec.target_verify(torch.tensor([greedy[:6]]), torch.arange(n, n + 6))
+        assert vids[0].tolist() == greedy[1:7]
+        assert vfeat.shape[1] == 6
+
+
+def test_cached_draft_chain_equals_stateless_recompute(dirs):
+    t = load_target(dirs["llama"])
+    head = random_head(t, taps=(1, 3, 5), scale=0.2)
+    spec = spec_with(t, head)
+    prompt = torch.tensor([prompts(1, 7, 12, 13)[0]])
+    n = prompt.shape[1]
+    spec.reset_caches()
+    tok, feat = spec.prefill(prompt, torch.arange(n))
+    drafter = ChainDrafter(spec, torch.arange(t.config.max_seq_len))
+    seed_tokens = torch.cat([prompt[:, 1:], tok.view(1, 1)], 1)
+    first, boundary = drafter.prefill_prompt(seed_tokens, feat, 0)
+    drafts = drafter.draft_chain(first, boundary, 5)  # (1, 5)
+    # Recompute without a cache: one forward over all slots, feeding each step the previous output.
+    tokens, feats = seed_tokens, feat
+    ids = []
+    with torch.no_grad():
+        for _ in range(5):
+            logits, h = head(tokens, feats, torch.arange(tokens.shape[1]), head.new_cache())
+            nxt = head.to_target_ids(logits[:, -1:].argmax(-1))
+            ids.append(int(nxt))
+            tokens = torch.cat([tokens, nxt], 1)
+            feats = torch.cat([feats, h[:, -1:]], 1)
+    assert drafts[0].tolist() == ids
+    # chain_round leaves the draft cache's committed length unchanged.
+    before = drafter.length
+    drafter.chain_round(first, boundary, 4)
+    assert drafter.length == before and spec.draft_cache.length <= before
+
+
+# -- losslessness ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("draft_vocab", [None, 90])
+def test_random_head_lossless_for_every_k(dirs, name, draft_vocab):
+    t = load_target(dirs[name])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5), draft_vocab_size=draft_vocab, scale=0.3))
+    for i, prompt in enumerate(prompts(4, 11)):
+        want = plain_tokens(t, prompt, 20)
+        for k in range(1, 9):
+            r = spec.generate(prompt, 20, num_draft_tokens=k, stop_token_ids=[])
+            assert r.token_ids == want, (name, draft_vocab, i, k)
+
+
+@pytest.mark.parametrize("name", ["bigram_llama", "bigram_qwen2", "bigram_gemma2"])
+@pytest.mark.parametrize("mode", ["full", "partial", "zero"])
+def test_forced_acceptance_is_lossless_and_observed(dirs, name, mode):
+    t = load_target(dirs[name])
+    spec = spec_with(t, forced_head(t, mode))
+    for prompt in prompts(4, 13):
+        want = plain_tokens(t, prompt, 30)
+        assert len(set(want)) > 2, "bigram path degenerate; pick another seed"
+        for k in range(1, 9):
+            r = spec.generate(prompt, 30, num_draft_tokens=k, stop_token_ids=[])
+            assert r.token_ids == want, (mode, k)
+            s = r.stats
+            assert s["rounds"] > 0
+            if mode == "full":
+                assert s["accepted_tokens"] == s["draft_tokens"]
+                assert s["target_forwards"] == 1 + s["rounds"] + (len(want) - 1 - s["rounds"]
+                                                                 - s["accepted_tokens"])
+            elif mode == "partial":
+                assert s["accept_len_hist"][1] == s["rounds"]
+                assert s["accepted_tokens"] == s["rounds"]
+            else:
+                assert s["accepted_tokens"] == 0 and s["accept_len_hist"][0] == s["rounds"]
+
+
+@pytest.mark.parametrize("mode", ["full", "partial"])
+def test_forced_heads_reduced_vocab_and_own_embedding(dirs, mode):
+    t = load_target(dirs["bigram_llama"])
+    f = bigram_table(t)
+    vocab = sorted(set(f.tolist()) | set(f[f].tolist()))
+    for own in (False, True):
+        spec = spec_with(t, forced_head(t, mode, draft_vocab=vocab, own_embedding=own))
+        assert spec.draft.reduced_vocab
+        if not own:
+            assert spec.draft.embed_tokens.weight.data_ptr() == t.embedding_weight.data_ptr()
+        for prompt in prompts(3, 17):
+            want = plain_tokens(t, prompt, 24)
+            for k in (1, 2, 4, 7):
+                r = spec.generate(prompt, 24, num_draft_tokens=k, stop_token_ids=[])
+                assert r.token_ids == want
+                assert r.stats["accepted_tokens"] > 0
+
+
+def test_full_acceptance_default_residual_short_chains(dirs):
+    t = load_target(dirs["bigram_llama"])
+    spec = spec_with(t, forced_head(t, "full", norm_before_residual=False))
+    for prompt in prompts(3, 19):
+        want = plain_tokens(t, prompt, 20)
+        for k in (1, 2):
+            r = spec.generate(prompt, 20, num_draft_tokens=k, stop_token_ids=[])
+            assert r.token_ids == want
+            assert r.stats["accepted_tokens"] == r.stats["draft_tokens"]
+
+
+def test_hf_target_lossless(dirs):
+    t = load_target(dirs["bigram_llama"], backend="hf")
+    for mode in ("full", "partial", "zero"):
+        spec = spec_with(t, forced_head(t, mode))
+        for prompt in prompts(2, 23):
+            want = plain_tokens(t, prompt, 20)
+            for k in (1, 3, 6):
+                r = spec.generate(prompt, 20, num_draft_tokens=k, stop_token_ids=[])
+                assert r.token_ids == want, (mode, k)
+    native = load_target(dirs["bigram_llama"])
+    assert plain_tokens(native, prompts(1, 23)[0], 20) == plain_tokens(t, prompts(1, 23)[0], 20)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, V - 1), min_size=1, max_size=30), k=st.integers(1, 8),
+       n=st.integers(1, 40), mode=st.sampled_from(["full", "partial", "zero"]))
+def test_property_lossless(dirs, prompt, k, n, mode):
+    t = _cached_target(dirs["bigram_qwen2"])
+    spec = _cached_spec(t, mode)
+    want = plain_tokens(t, prompt, n)
+    assert spec.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[]).token_ids == want
+
+
+_CACHE: dict = {}
+
+
+def _cached_target(d):
+    if d not in _CACHE:
+        _CACHE[d] = load_target(d)
+    return _CACHE[d]
+
+
+def _cached_spec(t, mode):
+    key = (id(t), mode)
+    if key not in _CACHE:
+        _CACHE[key] = spec_with(t, forced_head(t, mode))
+    return _CACHE[key]
+
+
+# -- stopping, capacity, stats -------------------------------------------------------------------------
+
+def test_stop_token_inside_accepted_span(dirs):
+    t = load_target(dirs["bigram_llama"])
+    spec = spec_with(t, forced_head(t, "full"))
+    prompt = prompts(1, 29)[0]
+    want = plain_tokens(t, prompt, 30)
+    k = 6
+    r = spec.generate(prompt, 30, num_draft_tokens=k, stop_token_ids=[])
+    assert r.stats["accepted_tokens"] == r.stats["draft_tokens"]
+    # Rounds emit tokens 1..7, 8..14, ...: index 3 lies strictly inside the first accepted span.
+    j = next(i for i in range(2, 6) if want[i] not in want[:i])
+    stop = want[j]
+    got = spec.generate(prompt, 30, num_draft_tokens=k, stop_token_ids=[stop])
+    assert got.token_ids == want[:j + 1]
+    assert got.token_ids == plain_tokens(t, prompt, 30, stop=[stop])
+    assert got.stats["target_forwards"] == 2  # prefill + one round; emission cut inside it
+
+
+def test_capacity_table():
+    assert [granted_drafts(3, n, 100) for n in (96, 97, 98, 99)] == [3, 2, 1, 0]
+    assert granted_drafts(8, 10, 100) == 8 and granted_drafts(3, 100, 100) == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "zero"])
+def test_generation_runs_exactly_to_max_len(dirs, mode):
+    t = load_target(dirs["bigram_llama"], max_seq_len=40)
+    spec = spec_with(t, forced_head(t, mode))
+    prompt = prompts(1, 31, 9, 10)[0]
+    n = 40 - len(prompt)
+    want = plain_tokens(t, prompt, n)
+    for k in (1, 3, 5, 8):
+        r = spec.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[])
+        assert r.token_ids == want and len(r.token_ids) == n
+    with pytest.raises(eagle3.Eagle3Error, match="max_seq_len"):
+        spec.generate(prompt, n + 1)
+
+
+def test_one_new_token_is_the_prefill_token(dirs):
+    t = load_target(dirs["bigram_llama"])
+    spec = spec_with(t, forced_head(t, "full"))
+    prompt = prompts(1, 37)[0]
+    r = spec.generate(prompt, 1, num_draft_tokens=4, stop_token_ids=[])
+    assert r.token_ids == plain_tokens(t, prompt, 1)
+    assert r.stats["target_forwards"] == 1 and r.stats["rounds"] == 0
+
+
+def test_stats_are_consistent(dirs):
+    t = load_target(dirs["bigram_qwen2"])
+    for mode in ("full", "partial", "zero"):
+        spec = spec_with(t, forced_head(t, mode))
+        for k in (2, 5):
+            r = spec.generate(prompts(1, 41)[0], 37, num_draft_tokens=k, stop_token_ids=[])
+            s = r.stats
+            hist, per_pos = s["accept_len_hist"], s["accepted_per_position"]
+            assert len(hist) == k + 1 and len(per_pos) == k
+            assert sum(hist) == s["rounds"]
+            assert sum(a * c for a, c in enumerate(hist)) == s["accepted_tokens"] == sum(per_pos)
+            assert all(x >= y for x, y in zip(per_pos, per_pos[1:]))
+            assert per_pos[0] == s["rounds"] - hist[0]
+            assert s["mean_accept_len"] == pytest.approx(1 + s["accepted_tokens"] / s["rounds"])
+            assert s["draft_tokens"] <= k * s["rounds"]
+            assert s["seconds"] > 0
+
+
+def test_bad_requests_leave_no_state(dirs):
+    t = load_target(dirs["bigram_llama"])
+    spec = spec_with(t, forced_head(t, "full"))
+    prompt = prompts(1, 43)[0]
+    want = spec.generate(prompt, 12, num_draft_tokens=3, stop_token_ids=[]).token_ids
+    for bad in (dict(num_draft_tokens=0), dict(num_draft_tokens=-1), dict(num_draft_tokens=33),
+                dict(num_draft_tokens=2.5)):
+        with pytest.raises(eagle3.Eagle3Error, match="num_draft_tokens"):
+            spec.generate(prompt, 12, **bad)
+    with pytest.raises(eagle3.Eagle3Error, match="vocabulary"):
+        spec.generate([1, V + 5], 12)
+    assert spec.generate(prompt, 12, num_draft_tokens=3, stop_token_ids=[]).token_ids == want
+
+
+def test_speculator_requires_a_head_with_an_embedding(dirs):
+    t = load_target(dirs["llama"])
+    head = random_head(t, taps=(1, 3, 5))
+    with pytest.raises(eagle3.Eagle3Error, match="embedding"):
+        Eagle3Speculator(t, head)
+
+
+# -- the public API and CLI ---------------------------------------------------------------------------
+
+def test_load_and_cli_with_a_saved_head(dirs, tmp_path):
+    t = load_target(dirs["bigram_llama"])
+    head = forced_head(t, "full")
+    for fmt in ("speculators",):
+        save_head(head, str(tmp_path / fmt), fmt)
+    spec = eagle3.load(dirs["bigram_llama"], str(tmp_path / "speculators"))
+    prompt = prompts(1, 47)[0]
+    want = plain_tokens(t, prompt, 16)
+    r = spec.generate(prompt, 16, num_draft_tokens=4, stop_token_ids=[])
+    assert r.token_ids == want and r.stats["accepted_tokens"] == r.stats["draft_tokens"]
+
+    cmd = [sys.executable, "-m", "eagle3", "generate", "--target", dirs["bigram_llama"], "--draft",
+           str(tmp_path / "speculators"), "--prompt-ids", ",".join(map(str, prompt)),
+           "--max-new-tokens", "16", "--num-draft-tokens", "4", "--stop-ids", "", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["token_ids"] == want
+    assert out["stats"]["accepted_tokens"] == out["stats"]["draft_tokens"] > 0
+    assert out["stats"]["tokens_per_s"] > 0
