@@ -268,16 +268,19 @@ def chain_source(tmp_path) -> str:
 
 
 def check_round_trip(src: str, dst: str) -> None:
+    """Same format, tensors (names, dtypes, values), DraftConfig and verbatim taps."""
     f0, c0, s0 = read_head(src)
     f1, c1, s1 = read_head(dst)
-    assert (f0, f1) == ("official", "official")
+    assert f0 == f1
     assert set(s0) == set(s1)
     for k in s0:
         assert s0[k].dtype == s1[k].dtype and torch.equal(s0[k], s1[k]), k
     assert no_extra(c0) == no_extra(c1)
-    assert c0.extra == c1.extra
-    assert c1.taps == tuple(TAPS) and c1.rope.theta == 500000.0
-    assert json.load(open(os.path.join(dst, "config.json")))["eagle_aux_hidden_state_layer_ids"] == TAPS
+    assert c0.extra == c1.extra  # torch_dtype, token ids, target_model_type survive every format
+    raw0, raw1 = (json.load(open(os.path.join(d, "config.json"))) for d in (src, dst))
+    taps = lambda c: c.get("eagle_aux_hidden_state_layer_ids") or c["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"]
+    assert taps(raw0) == taps(raw1) == list(c1.taps)
 
 
 def test_convert_round_trip(tmp_path):
@@ -296,15 +299,32 @@ def test_convert_round_trip(tmp_path):
     assert sg_cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert sg_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == TAPS
     check_round_trip(src, prev)
+    c = read_head(prev)[1]
+    assert c.taps == tuple(TAPS) and c.rope.theta == 500000.0 and c.extra["bos_token_id"] == 1
+
+
+def test_convert_round_trip_sglang_quirks(tmp_path):
+    """The real Gemma-3 SGLang config (head_dim 32 != 48/4, target_model_type, theta 1e6, taps in
+    eagle_config): sglang -> official -> speculators -> sglang."""
+    fmt, cfg, tensors = shrunken(GEMMA3)
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
+    prev = src = write_raw(tmp_path / "src", cfg, tensors, fmt)
+    for fmt in ("official", "speculators", "sglang"):
+        convert_head(prev, str(tmp_path / fmt), fmt)
+        prev = str(tmp_path / fmt)
+    check_round_trip(src, prev)
+    c = read_head(prev)[1]
+    assert (c.head_dim, c.rope.theta, c.extra["target_model_type"]) == (32, 1e6, "gemma3_text")
 
 
 def test_convert_full_vocab_drops_d2t(tmp_path):
-    t = raw_tensors(dv=V)
+    t = {**raw_tensors(dv=V), "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)}
     src = write_raw(tmp_path / "src", official_config(dv=V), t, "official")
     convert_head(src, str(tmp_path / "spec"), "speculators")
-    assert "d2t" not in load_file(str(tmp_path / "spec" / "model.safetensors"))
-    _, head = load_head(str(tmp_path / "spec"))
-    assert torch.equal(head.d2t, torch.zeros(V, dtype=torch.long)) and bool(head.t2d.all())
+    assert "d2t" not in load_file(str(tmp_path / "spec" / "model.safetensors"))  # identity: not written
+    for path in (src, str(tmp_path / "spec")):
+        _, head = load_head(path)
+        assert torch.equal(head.d2t, torch.zeros(V, dtype=torch.long)) and bool(head.t2d.all())
 
 
 def nbr_head(tmp_path, embed=True, input_norm=False) -> str:

@@ -178,9 +178,18 @@ def validate_head(dcfg: DraftConfig, state: dict[str, torch.Tensor], where: str)
     for name in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
                  "midlayer.post_attention_layernorm.weight", "norm.weight"):
         expect[name] = (H,)
+    if "input_norm.weight" in state and not dcfg.norm_before_fc:
+        raise Eagle3Error(f"{where} carries input_norm.weight but its config does not set "
+                          "norm_before_fc; set \"norm_before_fc\": true if the head was trained with it")
     for name, shape in expect.items():
-        if name in state and tuple(state[name].shape) != shape:
-            raise Eagle3Error(f"{where}: tensor {name} has shape {tuple(state[name].shape)}, the "
+        if name not in state:
+            continue
+        t = state[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise Eagle3Error(f"{where}: tensor {name} is not a floating-point tensor; the head file "
+                              "is corrupt")
+        if tuple(t.shape) != shape:
+            raise Eagle3Error(f"{where}: tensor {name} has shape {tuple(t.shape)}, the "
                               f"config implies {shape}; the head's config and weights disagree")
     if dcfg.draft_vocab_size != dcfg.vocab_size and "d2t" not in state:
         raise Eagle3Error(f"{where}: a reduced vocabulary ({dcfg.draft_vocab_size} of {dcfg.vocab_size}) "

@@ -94,12 +94,20 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, emb: torch.Tensor, g: torch.Tensor, *attn_args) -> torch.Tensor:
+    def mix(self, emb: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input a (B, T, 2H), embedding first; residual (B, T, H))."""
         gn = self.hidden_norm(g)
         residual = gn if self.norm_before_residual else g
-        a = torch.cat([self.input_layernorm(emb), gn], dim=-1)  # (B, T, 2H), embedding first
-        h = residual + self.self_attn(a, *attn_args)
+        return torch.cat([self.input_layernorm(emb), gn], dim=-1), residual
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """h = residual + attention; h + MLP(norm(h)): the next feature (B, T, H)."""
+        h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, emb: torch.Tensor, g: torch.Tensor, *attn_args) -> torch.Tensor:
+        a, residual = self.mix(emb, g)
+        return self.finish(residual, self.self_attn(a, *attn_args))
 
 
 class Eagle3Draft(nn.Module):

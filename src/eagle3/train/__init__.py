@@ -1,0 +1,1 @@
+"""Training EAGLE-3 heads with training-time test (TTT): data, vocabulary, loss, trainer."""

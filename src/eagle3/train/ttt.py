@@ -1,0 +1,90 @@
+"""Training-time test (TTT): unroll the draft head as it runs at inference.
+
+Row t of a sequence x_0..x_{T-1} is a chain that starts at draft slot t:
+step 0 sees (x_{t+1}, fc(taps_t)) at position t and predicts x_{t+2}; step i
+sees (x_{t+1+i}, h^{i-1}_t), its own previous output, at position t+i and
+predicts x_{t+2+i}. Attention matches inference exactly: step i of row t
+attends to the teacher-forced step-0 keys of slots 0..t plus the keys its own
+chain wrote at steps 1..i (slots t+1..t+i at inference). Loss at step i: soft
+cross-entropy to the target's next-token distribution restricted to the draft
+vocabulary, weighted 0.8^i and by the loss mask of the predicted token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..draft.model import Eagle3Draft
+from ..targets.decoder import rotate_half
+
+
+def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x[:, by:] left-aligned and right-padded to the same length."""
+    if by == 0:
+        return x
+    pad = x.new_full((x.shape[0], by) + tuple(x.shape[2:]), fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
+             target_logits: torch.Tensor, steps: int = 7, decay: float = 0.8,
+             norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, correct (steps,), counted (steps,)) for one batch.
+
+    tokens (B, T), mask (B, T) bool (loss on these tokens as predictions),
+    taps (B, T, 3Ht) and target_logits (B, T, V) from the frozen target. The
+    loss is a sum over weighted positions divided by `norm` (default: the
+    number of step-0 positions), so data-parallel ranks can share one norm.
+    """
+    B, T = tokens.shape
+    R = T - 1  # rows: slot t pairs token t+1 with feature t
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
+    ids = torch.arange(head.config.draft_vocab_size, device=tokens.device) + head.d2t  # (dv,)
+    target_p = torch.softmax(target_logits[..., ids].float(), dim=-1)  # (B, T, dv)
+    causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
+
+    g = head.fuse(taps[:, :R])  # (B, R, H)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    total = tokens.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(steps)
+    counted = torch.zeros(steps)
+    if norm is None:
+        norm = float(mask[:, 2:].sum().clamp_min(1))
+    for i in range(steps):
+        step_tokens = _shift(tokens[:, 1:], i)  # (B, R): x_{t+1+i}
+        pos = torch.arange(R, device=tokens.device) + i
+        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
+        a, residual = layer.mix(head.embed_tokens(step_tokens), g)
+        q = attn.q_proj(a).view(B, R, nh, hd).transpose(1, 2)
+        k = attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2)
+        v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, R, hd)
+        keys.append(k)
+        values.append(v)
+        scale = hd ** -0.5
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, R, R): teacher-forced prefix
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # own chain, (B, nh, R, 1)
+        w = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
+        out = w[..., :R] @ values[0]
+        for j, vj in enumerate(values[1:]):
+            out = out + w[..., R + j:R + j + 1] * vj
+        out = out.transpose(1, 2).reshape(B, R, nh * hd)
+        h = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
+        logq = F.log_softmax(head.lm_head(head.norm(h)).float(), dim=-1)  # (B, R, dv)
+
+        p = _shift(target_p[:, 1:], i)  # target distribution at position t+1+i
+        weight = _shift(mask[:, 2:], i, False) if R > 1 else mask[:, :0]
+        weight = torch.cat([weight, weight.new_zeros(B, R - weight.shape[1])], 1).float()  # (B, R)
+        total = total + (decay ** i) * (-(p * logq).sum(-1) * weight).sum() / norm
+        with torch.no_grad():
+            hit = (logq.argmax(-1) == p.argmax(-1)).float() * weight
+            correct[i] = hit.sum()
+            counted[i] = weight.sum()
+        g = h
+    return total, correct, counted
