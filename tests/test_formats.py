@@ -558,7 +558,15 @@ BAD = {
     "d2t_outside": (_d2t_outside, ["d2t", "outside"]),
     "d2t_not_injective": (_d2t_dup, ["d2t", "injective"]),
     "d2t_float": (_d2t_float, ["d2t", "integer"]),
+    "d2t_list": (lambda c, t: t.update(d2t=t["d2t"].tolist()), ["d2t", "integer tensor"]),
     "t2d_shape": (lambda c, t: t.update(t2d=t["t2d"][:-1]), ["t2d", "shape"]),
+    "int_weight": (lambda c, t: t.update({"fc.weight": t["fc.weight"].long()}), ["fc.weight", "floating"]),
+    "norm_before_fc_no_weight": (_set_cfg(norm_before_fc=True), ["lacks", "input_norm.weight"]),
+    "input_norm_without_flag": (lambda c, t: t.update({"input_norm.weight": torch.ones(3 * H)}),
+                                ["input_norm.weight", "norm_before_fc"]),
+    "bad_num_heads": (_set_cfg(num_key_value_heads=3), ["multiple of num_key_value_heads"]),
+    "taps_not_a_list": (_set_cfg(eagle_aux_hidden_state_layer_ids="1,3,5"), ["list of layer indices"]),
+    "null_size": (_set_cfg(intermediate_size=None), ["intermediate_size", "positive integer"]),
     "head_dim": (_set_cfg(head_dim=32), ["q_proj", "head_dim"]),
     "missing_tensor": (_drop(M + "mlp.up_proj.weight"), ["lacks", "up_proj"]),
     "missing_fc": (_drop("fc.weight"), ["lacks", "fc.weight"]),
@@ -603,7 +611,7 @@ def corrupt_head(path, kind: str) -> str:
 
 CORRUPT = {"truncated_bin": ["truncated or corrupt"], "truncated_safetensors": ["truncated or corrupt"],
            "no_weights": ["no weights"], "bad_json": ["not valid JSON"],
-           "no_config": ["config.json is missing"]}
+           "no_config": ["config.json"]}
 
 
 @pytest.mark.parametrize("case", list(BAD) + list(CORRUPT))

@@ -1,7 +1,12 @@
-"""The target's tokenizer, read from `tokenizer.json` with the `tokenizers` library."""
+"""The target's tokenizer, read from `tokenizer.json` with the `tokenizers` library.
+
+Chat templates come from `chat_template.jinja` or `tokenizer_config.json`'s
+`chat_template` next to it, rendered with jinja2 as transformers does.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 from .errors import Eagle3Error
@@ -29,6 +34,58 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    def _chat_template(self, where: str) -> tuple[str, dict]:
+        """(template source, tokenizer_config.json contents) or an Eagle3Error naming `where`."""
+        folder = os.path.dirname(self.path)
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        cfg = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if not template and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        if not isinstance(template, str) or not template:
+            raise Eagle3Error(f"{where}: chat messages need a chat template, but the tokenizer in {folder} "
+                              "has none (chat_template.jinja or tokenizer_config.json); give prompts instead")
+        return template, cfg
+
+    def apply_chat_template(self, messages: list[dict], where: str = "messages") -> list[int]:
+        """Token ids of `messages` rendered with the chat template and a generation prompt.
+
+        Matches transformers' `apply_chat_template(messages, add_generation_prompt=True,
+        tokenize=True)`: the template's text is encoded without extra special tokens.
+        """
+        template, cfg = self._chat_template(where)
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise Eagle3Error(f"{where}: rendering the chat template needs jinja2 "
+                              "(pip install jinja2)") from None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise Eagle3Error(f"{where}: messages must be a list of {{role, content}} objects")
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
+                   if k.endswith("_token") and isinstance(v, (str, dict))}
+        try:
+            text = env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                    **special)
+        except jinja2.exceptions.TemplateError as e:
+            raise Eagle3Error(f"{where}: the chat template failed: {str(e)[:200]}") from None
+        return self._tok.encode(text, add_special_tokens=False).ids
 
 
 def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:

@@ -196,9 +196,11 @@ def validate_head(dcfg: DraftConfig, state: dict[str, torch.Tensor], where: str)
                           "needs a d2t table mapping draft ids to target ids; the head file lacks it")
     if "d2t" in state:
         d2t = state["d2t"]
-        if d2t.shape != (dcfg.draft_vocab_size,) or d2t.is_floating_point():
+        if (not isinstance(d2t, torch.Tensor) or d2t.shape != (dcfg.draft_vocab_size,)
+                or d2t.is_floating_point() or d2t.dtype == torch.bool):
             raise Eagle3Error(f"{where}: d2t must be an integer tensor of length "
-                              f"{dcfg.draft_vocab_size}, got {d2t.dtype} {tuple(d2t.shape)}")
+                              f"{dcfg.draft_vocab_size}, got {getattr(d2t, 'dtype', type(d2t).__name__)} "
+                              f"{tuple(getattr(d2t, 'shape', ()))}")
         target_ids = torch.arange(dcfg.draft_vocab_size) + d2t.long()
         if target_ids.min() < 0 or target_ids.max() >= dcfg.vocab_size:
             raise Eagle3Error(f"{where}: d2t maps draft ids outside the target vocabulary "
@@ -206,8 +208,9 @@ def validate_head(dcfg: DraftConfig, state: dict[str, torch.Tensor], where: str)
         if target_ids.unique().numel() != target_ids.numel():
             raise Eagle3Error(f"{where}: d2t maps two draft ids to the same target id "
                               "(not injective); the table is corrupt")
-    if "t2d" in state and tuple(state["t2d"].shape) != (dcfg.vocab_size,):
-        raise Eagle3Error(f"{where}: t2d has shape {tuple(state['t2d'].shape)}, expected "
+    t2d = state.get("t2d")
+    if t2d is not None and (not isinstance(t2d, torch.Tensor) or tuple(t2d.shape) != (dcfg.vocab_size,)):
+        raise Eagle3Error(f"{where}: t2d has shape {tuple(getattr(t2d, 'shape', ()))}, expected "
                           f"({dcfg.vocab_size},)")
     known = set(expect) | {"d2t", "t2d"}
     return [k for k in state if k not in known]

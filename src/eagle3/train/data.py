@@ -2,7 +2,8 @@
 
 Accepted inputs (`--data`):
 - a `.jsonl` file, one object per line with `prompt` (text), `prompt_ids`
-  (token ids) or chat `messages` (built with the tokenizer's chat template);
+  (token ids) or chat `messages` (built with the tokenizer's chat template and
+  a generation prompt; a trailing assistant reply is dropped and regenerated);
 - a text file or a directory of text files (`.txt`, `.py`, `.md`, ...): prompts
   are `prompt_len`-token prefixes cut from them at seeded random offsets.
 The target continues each prompt for `response_len` tokens (greedy by default);
@@ -101,14 +102,22 @@ def _prompt_from_record(rec: dict, tokenizer, where: str) -> list[int]:
         return tokenizer.encode(str(rec["prompt"]))
     if "messages" in rec:
         need_tok(tokenizer, where)
-        return tokenizer.apply_chat_template(rec["messages"], where)
+        messages = rec["messages"]
+        if not isinstance(messages, list):
+            raise Eagle3Error(f"{where}: messages must be a list of {{role, content}} objects")
+        while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]  # the target regenerates the reply
+        if not messages:
+            raise Eagle3Error(f"{where}: messages hold no turn before the assistant's reply")
+        return tokenizer.apply_chat_template(messages, where)
     raise Eagle3Error(f"{where}: expected a 'prompt', 'prompt_ids' or 'messages' key")
 
 
 def cache_key(target_dir: str, prompts: list[list[int]], response_len: int, temperature: float,
-              seed: int) -> str:
+              seed: int, eos_ids: tuple[int, ...] = ()) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([os.path.abspath(target_dir), response_len, temperature, seed]).encode())
+    h.update(json.dumps([os.path.abspath(target_dir), response_len, temperature, seed,
+                         sorted(eos_ids)]).encode())
     for p in prompts:
         h.update(json.dumps(p).encode())
     return h.hexdigest()

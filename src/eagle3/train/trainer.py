@@ -43,6 +43,7 @@ class TrainArgs:
     ttt_steps: int = 7
     epochs: int = 1
     max_steps: int | None = None
+    stop_after: int | None = None  # end (with a checkpoint) after this step; the schedule still spans the run
     lr: float = 1e-3
     batch: int = 16
     warmup: int = 50
@@ -83,7 +84,8 @@ def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, ta
                       head_dim=getattr(tc, "head_dim", tc.hidden_size // heads), vocab_size=tc.vocab_size,
                       draft_vocab_size=ids.numel(), target_hidden_size=tc.hidden_size,
                       rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope=RopeConfig(theta=rope.theta),
-                      max_position_embeddings=tc.max_seq_len, taps=tuple(taps))
+                      max_position_embeddings=getattr(tc, "max_position_embeddings", tc.max_seq_len),
+                      taps=tuple(taps))
     torch.manual_seed(seed)
     head = Eagle3Draft(cfg, max_len=tc.max_seq_len, with_embedding=False)
     with torch.no_grad():
@@ -162,7 +164,8 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
     prompts = read_prompts(args.data, tok, prompt_len=args.prompt_len,
                            prompts_per_file=args.prompts_per_file, seed=args.seed,
                            vocab_size=target.config.vocab_size)
-    key = cache_key(args.target, prompts, args.response_len, args.temperature, args.seed)
+    key = cache_key(args.target, prompts, args.response_len, args.temperature, args.seed,
+                    target.config.eos_token_ids)
     cache = str(out / "data" / "regenerated.pt")
     if rank == 0:
         samples = load_or_regenerate(cache, key, lambda: regenerate(
@@ -204,7 +207,11 @@ def train_draft(args: TrainArgs) -> dict:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
-    target = load_target(args.target, max_seq_len=args.prompt_len + args.response_len + 8)
+    target = load_target(args.target)
+    V = target.config.vocab_size
+    if not 1 <= args.draft_vocab <= V:  # before the (possibly long) regeneration
+        raise Eagle3Error(f"--draft-vocab {args.draft_vocab} must be in 1..{V} (the target's "
+                          "vocabulary size)")
     if args.taps:
         target.tap_layers = args.taps
     taps = tuple(target.tap_layers)
@@ -234,7 +241,8 @@ def train_draft(args: TrainArgs) -> dict:
 
     bar = tqdm(total=total, initial=step, desc="train-draft", disable=not (args.progress and rank == 0))
     t0, tokens_done = time.time(), 0
-    while step < total:
+    stop = min(total, args.stop_after) if args.stop_after is not None else total
+    while step < stop:
         epoch, within = divmod(step, steps_per_epoch)
         order = list(range(len(samples)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
@@ -274,7 +282,7 @@ def train_draft(args: TrainArgs) -> dict:
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc0=f"{acc[0]:.2f}",
                         accN=f"{acc[-1]:.2f}", tok_s=f"{tokens_done / (time.time() - t0):.0f}")
         bar.update(1)
-        if rank == 0 and (step % args.ckpt_every == 0 or step == total):
+        if rank == 0 and (step % args.ckpt_every == 0 or step == stop):
             tmp = str(ckpt) + ".tmp"
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                         "args": asdict(args)}, tmp)

@@ -29,13 +29,15 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
              target_logits: torch.Tensor, steps: int = 7, decay: float = 0.8,
-             norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             norm: float | None = None, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
     """(loss, correct (steps,), counted (steps,)) for one batch.
 
     tokens (B, T), mask (B, T) bool (loss on these tokens as predictions),
     taps (B, T, 3Ht) and target_logits (B, T, V) from the frozen target. The
     loss is a sum over weighted positions divided by `norm` (default: the
     number of step-0 positions), so data-parallel ranks can share one norm.
+    With `return_logits`, a fourth element holds the draft logits of every
+    step, (steps, B, T-1, draft_vocab): [i, b, t] is step i of row t.
     """
     B, T = tokens.shape
     R = T - 1  # rows: slot t pairs token t+1 with feature t
@@ -51,6 +53,7 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     total = tokens.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(steps)
     counted = torch.zeros(steps)
+    all_logits = []
     if norm is None:
         norm = float(mask[:, 2:].sum().clamp_min(1))
     for i in range(steps):
@@ -76,7 +79,10 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             out = out + w[..., R + j:R + j + 1] * vj
         out = out.transpose(1, 2).reshape(B, R, nh * hd)
         h = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
-        logq = F.log_softmax(head.lm_head(head.norm(h)).float(), dim=-1)  # (B, R, dv)
+        logits = head.lm_head(head.norm(h))  # (B, R, dv)
+        if return_logits:
+            all_logits.append(logits.detach())
+        logq = F.log_softmax(logits.float(), dim=-1)
 
         p = _shift(target_p[:, 1:], i)  # target distribution at position t+1+i
         weight = _shift(mask[:, 2:], i, False) if R > 1 else mask[:, :0]
@@ -87,4 +93,6 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             correct[i] = hit.sum()
             counted[i] = weight.sum()
         g = h
+    if return_logits:
+        return total, correct, counted, torch.stack(all_logits)
     return total, correct, counted

@@ -1,0 +1,495 @@
+"""`eagle3 train-draft`: TTT matches inference, training works, resumes, scales out, fails clearly.
+
+The target is a tiny random 8-layer Llama (so the default taps (2, 4, 5) work)
+with its `lm_head` scaled up: greedy decoding is unchanged, but the target's
+distribution is peaked, so the soft-label TTT loss has a clear optimum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import eagle3
+from conftest import make_hf_model
+from eagle3 import Eagle3Error
+from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
+from eagle3.draft import attach_head
+from eagle3.targets import load_target
+from eagle3.tokenizer import load_tokenizer
+from eagle3.train.data import Sample, collate
+from eagle3.train.trainer import TrainArgs, _target_forward, new_head, prepare, train_draft
+from eagle3.train.ttt import ttt_loss
+from eagle3.train.vocab import build_draft_vocab
+
+transformers = pytest.importorskip("transformers")
+
+V = 160  # conftest COMMON vocab
+PROMPTS = [[5, 17, 3, 99, 42, 7, 11, 60], [120, 4, 4, 8, 15, 16, 23, 42], [1, 2, 3, 4, 5, 6],
+           [33, 150, 9, 81, 64, 27, 14, 90, 100, 7], [70, 71, 72, 73, 74, 75, 76, 77],
+           [140, 12, 58, 101, 19, 3, 88, 44]]
+RESPONSE_LEN = 24
+BIN = os.path.dirname(sys.executable)
+
+
+def write_jsonl(path: Path, records: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("train-target")
+    model = make_hf_model("llama", num_hidden_layers=8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # a peaked target distribution; argmax (greedy) unchanged
+    model.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("train-data") / "prompts.jsonl",
+                       [{"prompt_ids": p} for p in PROMPTS])
+
+
+def args_for(target: str, data: str, out, **kw) -> TrainArgs:
+    base = dict(draft_vocab=100, ttt_steps=4, response_len=RESPONSE_LEN, batch=len(PROMPTS), warmup=1,
+                max_steps=1, progress=False)
+    return TrainArgs(target=target, data=data, out=str(out), **{**base, **kw})
+
+
+def greedy(target: str, prompt: list[int], n: int) -> list[int]:
+    return eagle3.load(target, "none").generate(prompt, n, stop_token_ids=[]).token_ids
+
+
+def ckpt_head(out) -> dict[str, torch.Tensor]:
+    return torch.load(Path(out) / "checkpoint.pt", weights_only=False)["head"]
+
+
+# -- TTT agrees with inference -----------------------------------------------------------------
+def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
+    """Step i of row t in ttt_loss == the head run with a KV cache as the chain runner runs it.
+
+    Inference: draft slots 0..t are teacher-forced (slot s: token x_{s+1}, target
+    feature s, RoPE position s); then chain step i writes slot t+i with token
+    x_{t+1+i} and the previous step's feature. Also the loss is rebuilt from
+    those logits: step i of row t predicts x_{t+2+i} against the target's
+    distribution after x_{t+1+i}, weighted 0.8^i * mask[t+2+i].
+    """
+    target = load_target(target_dir)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.sort(torch.randperm(V, generator=g)[:100]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    head = new_head(target, ids, ids - torch.arange(100), t2d, target.tap_layers, seed=3)
+    with torch.no_grad():  # away from the tiny init, so attention and the MLP matter
+        for p in head.parameters():
+            p.mul_(10.0 if p.dim() >= 2 else 1.0)
+    attach_head(head, target)
+    assert head.config.num_key_value_heads < head.config.num_attention_heads  # GQA paths agree too
+    B, T, steps = 2, 12, 4
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    tlogits, taps = _target_forward(target, tokens)
+    with torch.no_grad():
+        loss, correct, counted, logits = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps,
+                                                  return_logits=True)
+        assert logits.shape == (steps, B, T - 1, 100)
+        feats = head.fuse(taps)
+        expect_loss, expect_correct, expect_counted = 0.0, torch.zeros(steps), torch.zeros(steps)
+        for b in range(B):
+            for t in range(T - 1):
+                cache = head.new_cache(1, T + steps)
+                out, h = head(tokens[b:b + 1, 1:t + 2], feats[b:b + 1, :t + 1], torch.arange(t + 1), cache,
+                              kv_len=t + 1)
+                step_logits = out[0, -1]
+                for i in range(steps):
+                    if i > 0:
+                        if t + 1 + i >= T:
+                            break
+                        out, h = head(tokens[b:b + 1, t + 1 + i:t + 2 + i], h[:, -1:], torch.tensor([t + i]),
+                                      cache, kv_len=t + i + 1)
+                        step_logits = out[0, -1]
+                    torch.testing.assert_close(logits[i, b, t], step_logits, atol=2e-5, rtol=1e-5,
+                                               msg=f"row {t} step {i} differs from inference")
+                    if t + 2 + i < T and mask[b, t + 2 + i]:
+                        p = torch.softmax(tlogits[b, t + 1 + i, ids], -1)
+                        logq = torch.log_softmax(step_logits, -1)
+                        expect_loss += 0.8 ** i * float(-(p * logq).sum())
+                        expect_correct[i] += float(logq.argmax() == p.argmax())
+                        expect_counted[i] += 1
+    norm = float(mask[:, 2:].sum())
+    assert float(loss) == pytest.approx(expect_loss / norm, rel=1e-5)
+    assert torch.equal(counted, expect_counted) and torch.equal(correct, expect_correct)
+
+
+def test_one_step_lowers_the_loss(target_dir, data_file, tmp_path):
+    args = args_for(target_dir, data_file, tmp_path / "out", lr=1e-3)
+    report = train_draft(args)
+    target = load_target(target_dir)
+    samples, ids, d2t, t2d, _ = prepare(args, target, 0)
+    tokens, mask = collate(samples)
+    tlogits, taps = _target_forward(target, tokens)
+
+    def loss_of(head):
+        attach_head(head, target)
+        with torch.no_grad():
+            return float(ttt_loss(head, tokens, mask, taps, tlogits, steps=4)[0])
+
+    before = new_head(target, ids, d2t, t2d, target.tap_layers, args.seed)  # the trainer's init
+    after = new_head(target, ids, d2t, t2d, target.tap_layers, args.seed)
+    attach_head(after, target)
+    after.load_state_dict(ckpt_head(args.out))
+    l0, l1 = loss_of(before), loss_of(after)
+    assert report["log"][0]["loss"] == pytest.approx(l0, rel=1e-5)  # the trainer's loss is this batch's
+    assert l1 < l0 - 1e-3, (l0, l1)
+
+
+# -- overfit: training accuracy == inference acceptance -----------------------------------------
+def simulate_chain(x: list[int], n: int, new: int, k_max: int, ok, stop: set[int]) -> dict:
+    """The chain runner's stats predicted from training-time correctness ok(row, step).
+
+    The first round drafts from row n-1 (slot of the last prompt feature); a
+    round from row r accepting a drafts emits a+1 tokens, so the next starts at
+    row r+a+1. Mirrors chain_generate's draft budget and stop rules.
+    """
+    st = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "hist": [0] * (k_max + 1),
+          "drafted": [0] * k_max}
+    out = [x[n]]
+    r = n - 1
+    while len(out) < new and out[-1] not in stop:
+        k = min(k_max, new - len(out) - 1)
+        a = 0
+        while a < k and ok(r, a):
+            a += 1
+        if k > 0:
+            st["rounds"] += 1
+            st["draft_tokens"] += k
+            st["accepted_tokens"] += a
+            st["hist"][a] += 1
+            st["drafted"] = [d + (i < k) for i, d in enumerate(st["drafted"])]
+        for t in x[n + len(out):n + len(out) + a + 1]:
+            out.append(t)
+            if t in stop or len(out) == new:
+                break
+        r += a + 1
+    st["tokens"] = out
+    return st
+
+
+@pytest.mark.slow
+def test_overfit_head_reaches_its_training_accuracy_at_inference(target_dir, data_file, tmp_path):
+    K = 4
+    args = args_for(target_dir, data_file, tmp_path / "out", max_steps=150, epochs=1000, lr=3e-3,
+                    warmup=10, ttt_steps=K)
+    report = train_draft(args)
+    acc = report["final_acc_per_step"]
+    assert acc[0] >= 0.9 and min(acc) >= 0.85, acc
+    out = Path(args.out)
+    assert (out / "report.png").is_file() and (out / "head-speculators" / "config.json").is_file()
+
+    spec = eagle3.load(target_dir, str(out / "head"))
+    plain = eagle3.load(target_dir, "none")
+    stop = set(spec.target.config.eos_token_ids)
+    blob = torch.load(out / "data" / "regenerated.pt", weights_only=True)
+    tokens, mask = collate([Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"])])
+    tlogits, taps = _target_forward(spec.target, tokens)
+    with torch.no_grad():
+        _, correct, counted, logits = ttt_loss(spec.draft, tokens, mask, taps, tlogits, steps=K,
+                                               return_logits=True)
+    assert (correct / counted)[0] >= 0.9  # the saved head, reloaded, still fits the data
+    drafted = spec.draft.to_target_ids(logits.argmax(-1))  # (K, B, T-1) target ids
+    measured = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    predicted = dict(measured)
+    per_pos, drafted, prefix_hits, rows = [0] * K, [0] * K, [0] * K, 0
+    for b, prompt in enumerate(PROMPTS):
+        x = blob["tokens"][b].tolist()
+        n = len(prompt)
+        ok = lambda r, i, b=b, x=x: int(drafted[i, b, r]) == x[r + 2 + i]  # noqa: B023
+        sim = simulate_chain(x, n, RESPONSE_LEN, K, ok, stop)
+        res = spec.generate(prompt, RESPONSE_LEN, num_draft_tokens=K)
+        assert res.token_ids == plain.generate(prompt, RESPONSE_LEN).token_ids == sim["tokens"]
+        for key in measured:
+            measured[key] += res.stats[key]
+            predicted[key] += sim[key]
+        assert res.stats["accept_len_hist"] == sim["hist"], (b, res.stats, sim)
+        per_pos = [a + c for a, c in zip(per_pos, res.stats["accepted_per_position"])]
+        drafted = [a + c for a, c in zip(drafted, sim["drafted"])]
+        for r in range(n - 1, n + len(res.token_ids) - 1 - K):  # rows whose K targets were emitted
+            rows += 1
+            for i in range(K):
+                prefix_hits[i] += all(ok(r, j) for j in range(i + 1))
+    # Exact: inference accepts precisely the drafts the training path scores as correct.
+    assert measured == predicted
+    rate = measured["accepted_tokens"] / measured["draft_tokens"]
+    assert rate >= 0.85, measured
+    # Per position: the acceptance of draft i (accepted / drafted at i) estimates the share of
+    # rows whose steps 0..i are all right in training. Rounds start only where the previous one
+    # stopped, a biased sample of rows, so allow 0.1: a misaligned head (one slot or position
+    # off) drafts from the wrong row and scores near 0, far outside it.
+    for i in range(K):
+        assert abs(per_pos[i] / drafted[i] - prefix_hits[i] / rows) <= 0.1, (i, per_pos, drafted,
+                                                                              prefix_hits, rows)
+
+
+# -- the draft vocabulary ------------------------------------------------------------------------
+def test_build_draft_vocab_picks_the_most_frequent_masked_tokens():
+    tokens = torch.tensor([[9, 9, 9, 4, 4, 7, 1, 1, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool)  # the 1s carry no loss
+    ids, d2t, t2d = build_draft_vocab(tokens, mask, 12, 2)
+    assert ids.tolist() == [4, 9] and d2t.dtype == torch.long
+    assert torch.equal(torch.arange(2) + d2t, ids)
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == [4, 9]
+    ids, d2t, t2d = build_draft_vocab(tokens, mask, 12, 3)  # ties (none here) break by id
+    assert ids.tolist() == [4, 7, 9]
+    # Fewer distinct masked tokens (3) than draft_vocab_size (6): pad with the lowest unused ids.
+    ids, d2t, t2d = build_draft_vocab(tokens, mask, 12, 6)
+    assert ids.tolist() == [0, 1, 2, 4, 7, 9]
+    assert d2t.tolist() == [0, 0, 0, 1, 3, 4] and t2d.sum() == 6 and t2d[ids].all()
+    ids, d2t, t2d = build_draft_vocab(tokens, mask, 12, 12)  # full vocab: identity
+    assert torch.equal(ids, torch.arange(12)) and not d2t.any() and t2d.all()
+    for bad in (0, 13):
+        with pytest.raises(Eagle3Error, match="--draft-vocab"):
+            build_draft_vocab(tokens, mask, 12, bad)
+
+
+def test_trained_head_vocab_tables_are_consistent(target_dir, data_file, tmp_path):
+    args = args_for(target_dir, data_file, tmp_path / "out", draft_vocab=150)
+    train_draft(args)
+    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
+    used = set(torch.cat([t[m] for t, m in zip(blob["tokens"], blob["masks"])]).tolist())
+    assert len(used) < 150  # so the vocab is padded
+    spec = eagle3.load(target_dir, str(tmp_path / "out" / "head"))
+    d2t, t2d = spec.draft.d2t, ckpt_head(args.out)["t2d"]
+    ids = torch.arange(150) + d2t
+    assert torch.all(ids[1:] > ids[:-1]) and t2d.sum() == 150 and t2d[ids].all()
+    assert used <= set(ids.tolist())
+    unused = sorted(set(range(V)) - used)
+    assert set(ids.tolist()) - used == set(unused[:150 - len(used)])
+
+
+# -- resume and data parallel --------------------------------------------------------------------
+def test_resume_reproduces_the_uninterrupted_run(target_dir, data_file, tmp_path, capsys):
+    # 6 samples, batch 2: 3 steps an epoch; the stop at 4 crosses an epoch and the cosine decay.
+    kw = dict(batch=2, epochs=2, max_steps=5, warmup=1, ckpt_every=4, lr=3e-3)
+    whole = train_draft(args_for(target_dir, data_file, tmp_path / "whole", **kw))
+    train_draft(args_for(target_dir, data_file, tmp_path / "cut", stop_after=4, **kw))
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["step"] == 4
+    capsys.readouterr()
+    resumed = train_draft(args_for(target_dir, data_file, tmp_path / "cut", resume=True, **kw))
+    assert "resuming from" in capsys.readouterr().err
+    assert resumed["log"] == whole["log"]
+    a, b = ckpt_head(tmp_path / "whole"), ckpt_head(tmp_path / "cut")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_two_process_step_equals_single_process_step(target_dir, data_file, tmp_path):
+    common = ["--target", target_dir, "--data", data_file, "--draft-vocab", "100", "--ttt-steps", "4",
+              "--response-len", str(RESPONSE_LEN), "--batch", "4", "--max-steps", "1", "--warmup", "1",
+              "--lr", "3e-3", "--quiet", "--threads", "1"]
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "eagle3", "train-draft", "--out", str(tmp_path / "ddp"),
+           *common]
+    with ThreadPoolExecutor(1) as pool:
+        ddp = pool.submit(subprocess.run, cmd, capture_output=True, text=True, timeout=240, env=cli_env(),
+                          stdin=subprocess.DEVNULL)
+        single = train_draft(args_for(target_dir, data_file, tmp_path / "one", batch=4, lr=3e-3))
+        p = ddp.result()
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "ddp" / "report.json").read_text())
+    assert report["log"][0]["loss"] == pytest.approx(single["log"][0]["loss"], rel=1e-5)
+    assert report["log"][0]["acc"] == single["log"][0]["acc"]
+    a, b = ckpt_head(tmp_path / "ddp"), ckpt_head(tmp_path / "one")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    assert not torch.equal(a["fc.weight"], new_head_fc(target_dir, b))  # it did train
+
+
+def new_head_fc(target_dir: str, state: dict) -> torch.Tensor:
+    target = load_target(target_dir)
+    d2t = state["d2t"]
+    head = new_head(target, torch.arange(100) + d2t, d2t, state["t2d"], target.tap_layers, 0)
+    return head.fc.weight
+
+
+# -- regeneration, the loss mask, data formats ---------------------------------------------------
+def test_regeneration_is_plain_greedy_and_the_mask_stops_after_eos(target_dir, tmp_path, capsys):
+    # An EOS the greedy responses contain: the mask must end right after its first occurrence.
+    responses = [greedy(target_dir, p, RESPONSE_LEN) for p in PROMPTS]
+    first = {}
+    for t in responses[0]:
+        first.setdefault(t, responses[0].index(t))
+    eos = max((i, t) for t, i in first.items() if i < RESPONSE_LEN - 2)[1]
+    tdir = tmp_path / "target"
+    shutil.copytree(target_dir, tdir)
+    cfg = json.loads((tdir / "config.json").read_text())
+    (tdir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in PROMPTS])
+    # prompt_len 4 < the prompts (5..10 tokens): it only cuts text files, jsonl prompts are kept whole.
+    args = args_for(str(tdir), data, tmp_path / "out", regen_batch=2, prompt_len=4)
+    train_draft(args)
+    cache = tmp_path / "out" / "data" / "regenerated.pt"
+    blob = torch.load(cache, weights_only=True)
+    seen_eos = 0
+    for p, r, tokens, mask in zip(PROMPTS, responses, blob["tokens"], blob["masks"]):
+        assert tokens.tolist() == p + r
+        keep = r.index(eos) + 1 if eos in r else len(r)
+        seen_eos += eos in r
+        assert mask.tolist() == [False] * len(p) + [True] * keep + [False] * (len(r) - keep)
+    assert seen_eos >= 1
+    # A rerun with the same inputs reuses the cache; other inputs regenerate.
+    mtime = cache.stat().st_mtime_ns
+    capsys.readouterr()
+    train_draft(args)
+    assert "reusing regenerated data" in capsys.readouterr().err and cache.stat().st_mtime_ns == mtime
+    train_draft(args_for(str(tdir), data, tmp_path / "out", response_len=RESPONSE_LEN - 4))
+    assert "reusing" not in capsys.readouterr().err
+    assert torch.load(cache, weights_only=True)["tokens"][0].numel() == len(PROMPTS[0]) + RESPONSE_LEN - 4
+
+
+@pytest.fixture(scope="module")
+def text_target(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("text-target")
+    build_random_checkpoint(str(d), {**RANDOM_CONFIG, "hidden_size": 64, "intermediate_size": 128,
+                                     "max_position_embeddings": 256})
+    return str(d)
+
+
+def test_text_directory_is_cut_into_prompts(text_target, tmp_path):
+    tok = load_tokenizer(text_target)
+    src = tmp_path / "corpus"
+    (src / "sub").mkdir(parents=True)
+    texts = {"a.txt": "the quick brown fox jumps over the lazy dog, again and again. " * 6,
+             "sub/b.py": "def parse_args(argv):\n    return [a for a in argv if a]\n" * 5,
+             "short.md": "hi", "skip.bin": "not text " * 50}
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    args = args_for(text_target, str(src), tmp_path / "out", draft_vocab=64, prompt_len=12,
+                    prompts_per_file=3, response_len=8, batch=2)
+    report = train_draft(args)
+    assert report["samples"] == 6  # 3 each from a.txt and sub/b.py; short.md too short, .bin ignored
+    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
+    sources = [tok.encode(texts["a.txt"]), tok.encode(texts["sub/b.py"])]
+    for tokens, mask in zip(blob["tokens"], blob["masks"]):
+        prompt, response = tokens[:12].tolist(), tokens[12:].tolist()
+        assert any(prompt == s[i:i + 12] for s in sources for i in range(len(s) - 11))
+        assert response == greedy(text_target, prompt, 8)
+        assert mask.tolist() == [False] * 12 + [True] * 8
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+                 "{{ m['content'] }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_chat_messages_use_the_chat_template(text_target, tmp_path):
+    tdir = tmp_path / "target"
+    shutil.copytree(text_target, tdir)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tdir / "tokenizer.json"),
+                                                bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(tdir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tdir))
+    tok = load_tokenizer(str(tdir))
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x): return"}]
+    expected = hf.apply_chat_template(convo, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert tok.apply_chat_template(convo) == expected
+    assert expected[0] == hf.convert_tokens_to_ids("<s>")  # the template's bos, not added twice
+
+    reply = {"role": "assistant", "content": "an old reply that is regenerated"}
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo + [reply]}, {"messages": convo},
+                                                 {"prompt": "import os"}])
+    args = args_for(str(tdir), data, tmp_path / "out", draft_vocab=64, response_len=8, batch=3)
+    train_draft(args)
+    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
+    prompts = [expected, expected, tok.encode("import os")]
+    for tokens, mask, prompt in zip(blob["tokens"], blob["masks"], prompts):
+        assert tokens[:len(prompt)].tolist() == prompt
+        assert tokens[len(prompt):].tolist() == greedy(str(tdir), prompt, 8)
+        assert mask.tolist() == [False] * len(prompt) + [True] * 8  # only the generated reply
+
+
+def test_offline_features_give_the_online_loss(target_dir, data_file, tmp_path):
+    online = train_draft(args_for(target_dir, data_file, tmp_path / "on"))
+    offline = train_draft(args_for(target_dir, data_file, tmp_path / "off", features="offline"))
+    assert (tmp_path / "off" / "data" / "taps.npy").is_file()
+    # fp16 storage of taps and logits: close, not equal.
+    assert offline["log"][0]["loss"] == pytest.approx(online["log"][0]["loss"], rel=2e-2)
+    assert offline["log"][0]["acc"] == pytest.approx(online["log"][0]["acc"], abs=0.05)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path):
+    def fails(match: str, target: str = target_dir, data: str = data_file, **kw) -> str:
+        with pytest.raises(Eagle3Error, match=match) as e:
+            train_draft(args_for(target, data, kw.pop("out", tmp_path / "out"), **kw))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    fails("yielded no prompts", data=str(empty))
+    fails("does not exist", data=str(tmp_path / "missing.jsonl"))
+    fails(r"must be a JSON object", data=write_jsonl(tmp_path / "list.jsonl", [[1, 2, 3]]))
+    fails("expected a 'prompt'", data=write_jsonl(tmp_path / "nokey.jsonl", [{"text": "hi"}]))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1,\n')
+    assert ":2 is not valid JSON" in fails("not valid JSON", data=str(broken))
+    fails("prompt_ids must be a list of integers",
+          data=write_jsonl(tmp_path / "ids.jsonl", [{"prompt_ids": ["a"]}]))
+    fails("outside the target's vocabulary", data=write_jsonl(tmp_path / "big.jsonl", [{"prompt_ids": [V]}]))
+    fails("ships no tokenizer", data=write_jsonl(tmp_path / "text.jsonl", [{"prompt": "hello"}]))
+    fails("no chat template", target=text_target,
+          data=write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]))
+    # A tokenizer with more tokens than the target's vocabulary: they do not belong together.
+    mixed = tmp_path / "mixed"
+    shutil.copytree(target_dir, mixed)
+    shutil.copy(Path(text_target) / "tokenizer.json", mixed / "tokenizer.json")
+    assert load_tokenizer(str(mixed)).vocab_size > V
+    fails("do not belong together", target=str(mixed))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    fails("cannot write to --out", out=blocker / "out")
+    fails("--draft-vocab 161 must be in 1..160", draft_vocab=V + 1)
+    fails("--ttt-steps must be >= 1", ttt_steps=0)
+    fails("--features must be", features="both")
+
+
+def test_cli_bad_input_exits_2_without_traceback(target_dir, data_file, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    base = [sys.executable, "-m", "eagle3", "train-draft", "--target", target_dir, "--quiet"]
+    cases = [(["--data", str(empty), "--out", str(tmp_path / "a")], "yielded no prompts"),
+             (["--data", data_file, "--out", str(tmp_path / "b"), "--draft-vocab", "5000"], "--draft-vocab"),
+             (["--data", data_file, "--out", str(tmp_path / "c"), "--ttt-steps", "0"], "--ttt-steps")]
+    with ThreadPoolExecutor(3) as pool:
+        procs = list(pool.map(lambda c: subprocess.run(base + c[0], capture_output=True, text=True,
+                                                       timeout=120, env=cli_env(), stdin=subprocess.DEVNULL),
+                              cases))
+    for (_, match), p in zip(cases, procs):
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr and match in p.stderr
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("eagle3: error:")]
+        assert len(lines) == 1, p.stderr
