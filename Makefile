@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/eagle3 generate "def parse_args(argv):" --max-new-tokens 48
+	$(BIN)/eagle3 generate "def parse_args(argv):" --max-new-tokens 96 --compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests recipes

@@ -190,7 +190,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
     model.save_pretrained(out)
-    tf.PreTrainedTokenizerFast(tokenizer_file=str(tok_path), eos_token=EOS, pad_token=EOS).save_pretrained(out)
+    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(tok_path), eos_token=EOS, pad_token=EOS)
+    hf_tok.save_pretrained(out)
     with open(out / "training.json", "w") as f:
         json.dump({"parameters": n_params, "steps": step, "tokens_per_step": args.batch * args.seq,
                    "train_files": len(train_files), "held_out_files": len(held_files),

@@ -364,3 +364,21 @@ def test_load_and_cli_with_a_saved_head(dirs, tmp_path):
     assert out["token_ids"] == want
     assert out["stats"]["accepted_tokens"] == out["stats"]["draft_tokens"] > 0
     assert out["stats"]["tokens_per_s"] > 0
+
+
+def test_draft_cache_rejects_gaps_and_allows_rollback(dirs):
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))
+    spec.reset_caches()
+    H = spec.draft.config.hidden_size
+    tok, feat = torch.tensor([[1, 2, 3, 4]]), torch.randn(1, 4, H)
+    spec.draft_decode(tok, feat, torch.arange(4))  # slots 0..3
+    with pytest.raises(eagle3.Eagle3Error, match="gap"):
+        spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([6]), kv_len=7)
+    a, _ = spec.draft_decode(tok[:, :2], feat[:, :2], torch.tensor([2, 3]), kv_len=4)  # rollback: ok
+    spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([4]), kv_len=5)  # extends: ok
+    assert spec.draft_cache.length == 5
+    # Overwriting slot 1 forgets slots 2..4: writing at 3 now leaves a gap.
+    spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([1]), kv_len=2)
+    with pytest.raises(eagle3.Eagle3Error, match="gap"):
+        spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([3]), kv_len=4)

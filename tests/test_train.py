@@ -208,14 +208,14 @@ def test_overfit_head_reaches_its_training_accuracy_at_inference(target_dir, dat
         _, correct, counted, logits = ttt_loss(spec.draft, tokens, mask, taps, tlogits, steps=K,
                                                return_logits=True)
     assert (correct / counted)[0] >= 0.9  # the saved head, reloaded, still fits the data
-    drafted = spec.draft.to_target_ids(logits.argmax(-1))  # (K, B, T-1) target ids
+    draft_ids = spec.draft.to_target_ids(logits.argmax(-1))  # (K, B, T-1) target ids
     measured = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0}
     predicted = dict(measured)
     per_pos, drafted, prefix_hits, rows = [0] * K, [0] * K, [0] * K, 0
     for b, prompt in enumerate(PROMPTS):
         x = blob["tokens"][b].tolist()
         n = len(prompt)
-        ok = lambda r, i, b=b, x=x: int(drafted[i, b, r]) == x[r + 2 + i]  # noqa: B023
+        ok = lambda r, i, b=b, x=x: int(draft_ids[i, b, r]) == x[r + 2 + i]  # noqa: B023
         sim = simulate_chain(x, n, RESPONSE_LEN, K, ok, stop)
         res = spec.generate(prompt, RESPONSE_LEN, num_draft_tokens=K)
         assert res.token_ids == plain.generate(prompt, RESPONSE_LEN).token_ids == sim["tokens"]
@@ -308,19 +308,21 @@ def cli_env() -> dict[str, str]:
 def test_two_process_step_equals_single_process_step(target_dir, data_file, tmp_path):
     common = ["--target", target_dir, "--data", data_file, "--draft-vocab", "100", "--ttt-steps", "4",
               "--response-len", str(RESPONSE_LEN), "--batch", "4", "--max-steps", "1", "--warmup", "1",
-              "--lr", "3e-3", "--quiet", "--threads", "1"]
+              "--lr", "1e-3", "--quiet", "--threads", "1"]
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "eagle3", "train-draft", "--out", str(tmp_path / "ddp"),
            *common]
     with ThreadPoolExecutor(1) as pool:
         ddp = pool.submit(subprocess.run, cmd, capture_output=True, text=True, timeout=240, env=cli_env(),
                           stdin=subprocess.DEVNULL)
-        single = train_draft(args_for(target_dir, data_file, tmp_path / "one", batch=4, lr=3e-3))
+        single = train_draft(args_for(target_dir, data_file, tmp_path / "one", batch=4, lr=1e-3))
         p = ddp.result()
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "ddp" / "report.json").read_text())
     assert report["log"][0]["loss"] == pytest.approx(single["log"][0]["loss"], rel=1e-5)
     assert report["log"][0]["acc"] == single["log"][0]["acc"]
+    # Adam's first step is ~lr * sign(grad): a weight whose gradient is near zero moves by up to
+    # ~1e-4 * lr when the gradients differ only in summation order (two ranks vs one), so 1e-3 * lr.
     a, b = ckpt_head(tmp_path / "ddp"), ckpt_head(tmp_path / "one")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
@@ -344,8 +346,9 @@ def test_regeneration_is_plain_greedy_and_the_mask_stops_after_eos(target_dir, t
     eos = max((i, t) for t, i in first.items() if i < RESPONSE_LEN - 2)[1]
     tdir = tmp_path / "target"
     shutil.copytree(target_dir, tdir)
-    cfg = json.loads((tdir / "config.json").read_text())
-    (tdir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((tdir / name).read_text())
+        (tdir / name).write_text(json.dumps({**cfg, "eos_token_id": eos}))
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in PROMPTS])
     # prompt_len 4 < the prompts (5..10 tokens): it only cuts text files, jsonl prompts are kept whole.
     args = args_for(str(tdir), data, tmp_path / "out", regen_batch=2, prompt_len=4)
@@ -400,7 +403,8 @@ def test_text_directory_is_cut_into_prompts(text_target, tmp_path):
 
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
-                 "{{ m['content'] }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+                 "{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def test_chat_messages_use_the_chat_template(text_target, tmp_path):
@@ -480,9 +484,11 @@ def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path
 def test_cli_bad_input_exits_2_without_traceback(target_dir, data_file, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    base = [sys.executable, "-m", "eagle3", "train-draft", "--target", target_dir, "--quiet"]
+    base = [sys.executable, "-m", "eagle3", "train-draft", "--target", target_dir, "--quiet",
+            "--draft-vocab", "100"]
     cases = [(["--data", str(empty), "--out", str(tmp_path / "a")], "yielded no prompts"),
-             (["--data", data_file, "--out", str(tmp_path / "b"), "--draft-vocab", "5000"], "--draft-vocab"),
+             (["--data", data_file, "--out", str(tmp_path / "b"), "--draft-vocab", "5000"],
+              "--draft-vocab 5000"),
              (["--data", data_file, "--out", str(tmp_path / "c"), "--ttt-steps", "0"], "--ttt-steps")]
     with ThreadPoolExecutor(3) as pool:
         procs = list(pool.map(lambda c: subprocess.run(base + c[0], capture_output=True, text=True,

@@ -53,16 +53,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = dict(result.stats)
     n = len(result.token_ids)
     stats["tokens_per_s"] = n / stats["seconds"] if stats["seconds"] > 0 else 0.0
+    if args.compare:
+        _compare_plain(spec, ids, args, result, stats)
     text = tok.decode(result.token_ids) if tok is not None else ""
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "stats": stats}))
         return 0
     print(text if tok is not None else ",".join(map(str, result.token_ids)))
     if not args.quiet:
-        print(f"eagle3: {n} new tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s), "
-              f"{stats['target_forwards']} target forwards, tau {stats['mean_accept_len']:.2f}",
-              file=sys.stderr)
+        line = (f"eagle3: {n} new tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s), "
+                f"{stats['target_forwards']} target forwards, tau {stats['mean_accept_len']:.2f}")
+        if args.compare:
+            line += (f"; plain decoding {stats['plain_tokens_per_s']:.1f} tok/s -> speedup "
+                     f"{stats['speedup']:.2f}x, outputs identical: {stats['outputs_identical']}")
+        print(line, file=sys.stderr)
     return 0
+
+
+def _compare_plain(spec, ids, args, result, stats: dict) -> None:
+    """Time plain decoding of the same request in this process (A B A B, medians)."""
+    import statistics
+
+    from .speculator import Eagle3Speculator
+
+    plain = Eagle3Speculator(spec.target, None, spec.tokenizer)
+    kw = dict(stop_token_ids=args.stop_ids)
+    spec_times, plain_times, same = [], [], True
+    for _ in range(3):  # the first timed call above was cold; these are warm
+        p = plain.generate(ids, args.max_new_tokens, **kw)
+        plain_times.append(p.stats["seconds"])
+        r = spec.generate(ids, args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, **kw)
+        spec_times.append(r.stats["seconds"])
+        same = same and p.token_ids == result.token_ids == r.token_ids
+    n = len(result.token_ids)
+    stats["plain_tokens_per_s"] = n / statistics.median(plain_times)
+    stats["tokens_per_s"] = n / statistics.median(spec_times)
+    stats["speedup"] = stats["tokens_per_s"] / stats["plain_tokens_per_s"]
+    stats["outputs_identical"] = same
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -142,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {token_ids, text, stats} instead of text")
     g.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    g.add_argument("--compare", action="store_true",
+                   help="also time plain decoding of the same request in this process (interleaved, "
+                        "medians) and report the speedup and whether the outputs are identical")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a target checkpoint or an EAGLE-3 head",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import Eagle3Error
+
 
 class StaticKVCache:
     """K/V for `n_layers` layers: `k`, `v` are (L, B, n_kv, S, hd)."""
@@ -31,6 +33,20 @@ class StaticKVCache:
         self.k[layer].index_copy_(2, input_pos, k)
         self.v[layer].index_copy_(2, input_pos, v)
         return self.k[layer], self.v[layer]
+
+    def claim(self, start: int, n: int) -> None:
+        """Check (host side) that writing slots start..start+n-1 keeps the cache contiguous.
+
+        Writes must extend the filled prefix or overwrite part of it (a rollback,
+        which forgets everything after the write); a gap is rejected.
+        """
+        if start < 0 or start + n > self.max_len:
+            raise Eagle3Error(f"cache write at slots {start}..{start + n - 1} is outside the cache's "
+                              f"{self.max_len} slots")
+        if start > self.length:
+            raise Eagle3Error(f"cache write at slot {start} would leave a gap: only {self.length} slots "
+                              "are filled; writes must be contiguous from slot 0 (rewind with truncate)")
+        self.length = start + n
 
     def truncate(self, length: int) -> None:
         """Forget every position >= `length` (the data stays; masks hide it)."""

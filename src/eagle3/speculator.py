@@ -138,6 +138,9 @@ class Eagle3Speculator:
         if self.draft is None:
             raise Eagle3Error("this speculator has no draft head (loaded with draft='none')")
         self._caches()
+        if not torch.compiler.is_compiling():  # host-side contiguity check; export skips it
+            T = tokens.shape[1]
+            self.draft_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
         logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
         return self.draft.to_target_ids(logits.argmax(-1)), h
 

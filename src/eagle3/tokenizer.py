@@ -51,8 +51,8 @@ class Tokenizer:
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         if not isinstance(template, str) or not template:
-            raise Eagle3Error(f"{where}: chat messages need a chat template, but the tokenizer in {folder} "
-                              "has none (chat_template.jinja or tokenizer_config.json); give prompts instead")
+            raise Eagle3Error(f"{where}: the tokenizer in {folder} has no chat template (chat_template.jinja "
+                              "or tokenizer_config.json's chat_template); give prompts instead of messages")
         return template, cfg
 
     def apply_chat_template(self, messages: list[dict], where: str = "messages") -> list[int]:

@@ -224,8 +224,14 @@ def train_draft(args: TrainArgs) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     steps_per_epoch = max(1, len(samples) // args.batch)
     total = min(args.max_steps or 10 ** 12, steps_per_epoch * args.epochs)
-    store = (FeatureStore(out / "data", target, samples, ids, key, args.batch, args.progress and rank == 0)
-             if args.features == "offline" else None)
+    store = None
+    if args.features == "offline":  # rank 0 writes the memmaps; the others then open them read-only
+        make = lambda: FeatureStore(out / "data", target, samples, ids, key, args.batch,
+                                    args.progress and rank == 0)
+        store = make() if rank == 0 else None
+        if world > 1:
+            torch.distributed.barrier()
+        store = store or make()
 
     step, log = 0, []
     ckpt = out / "checkpoint.pt"
