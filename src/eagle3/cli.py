@@ -114,7 +114,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         resume=args.resume, ckpt_every=args.ckpt_every, prompt_len=args.prompt_len,
         response_len=args.response_len, prompts_per_file=args.prompts_per_file,
         regen_batch=args.regen_batch, temperature=args.temperature, features=args.features,
-        taps=tuple(args.taps) if args.taps else None, progress=not args.quiet))
+        taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
+        stop_after=args.stop_after))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
         print(f"eagle3: trained {report['steps']} steps; final loss {report['final_loss']:.3f}; "
@@ -207,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft vocabulary size: the most frequent response tokens (default 2048)")
     t.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps (default 7)")
     t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    t.add_argument("--max-steps", type=int, default=None, help="train this many optimizer steps in all")
+    t.add_argument("--stop-after", type=int, default=None,
+                   help="end this run after this step (checkpointed; --resume continues with the "
+                        "same schedule)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
     t.add_argument("--warmup", type=int, default=50, help="linear warmup steps before cosine decay")
@@ -228,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch threads per process")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_draft)
+
+    from .bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

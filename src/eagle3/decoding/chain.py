@@ -86,6 +86,7 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     drafter = ChainDrafter(spec, pos)
     prompt = torch.tensor([prompt_ids])
     per_pos = stats["accepted_per_position"] = [0] * k_max
+    drafted = stats["drafted_per_position"] = [0] * k_max  # rounds near the end draft fewer
     hist = stats["accept_len_hist"] = [0] * (k_max + 1)
     prof = active()  # None unless profiling: then the `if prof:` lines time phases, count syncs
 
@@ -127,6 +128,8 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
             hist[a] += 1
             for i in range(a):
                 per_pos[i] += 1
+            for i in range(k):
+                drafted[i] += 1
         for t in d[:a] + [v[a]]:
             out.append(t)
             if t in stop_ids or len(out) == max_new_tokens:

@@ -1,0 +1,248 @@
+"""`eagle3 bench`: plain decoding vs EAGLE-3 (each K) vs transformers peers, one process, interleaved.
+
+`add_parser(subparsers)` registers the verb; `main(argv)` runs it standalone
+(`python -m eagle3.bench.cli bench ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import Eagle3Error, notice
+
+BUILTIN_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
+]
+DESCRIPTION = """\
+Benchmark in one process: plain decoding (this engine) against EAGLE-3 chain
+drafting for each K, and transformers peers on the same target weights
+(greedy generate, prompt lookup, assisted generation with --assistant). For
+each prompt the variants run in turn (A B C A B C ...) after one warm-up pass;
+each repetition totals all prompts and rows report the median over repetitions.
+Every run's tokens are compared with plain greedy decoding in the same run.
+
+Columns: tok/s; speedup vs plain; model = the speedup the cost model predicts
+from tau; tau (tokens per target forward); accept = accepted / drafted; the
+acceptance rate per draft position; the accepted-length histogram (length:rounds);
+milliseconds per round (per target forward after the prefill) spent drafting,
+verifying and elsewhere; host synchronisations per round; identical outputs.
+Below the table: the cost model, cost(K+1)/cost(1) of a target forward and
+draft step / target forward. --json OUT writes every number."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `bench` verb on an `eagle3` subparsers object."""
+    from ..cli import _add_target_args, _int_list
+
+    b = subparsers.add_parser("bench", help="A/B benchmark: plain vs EAGLE-3 per K vs transformers peers",
+                              description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_target_args(b)
+    b.add_argument("--draft", default=None,
+                   help="EAGLE-3 head directory (default: the default head for --target default)")
+    b.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
+                   help="target layers feeding the head (default: the head config's ids)")
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help=".jsonl (one object per line: prompt text or prompt_ids) or .txt (one prompt "
+                        "per line); default: models/default/prompts.jsonl for --target default when "
+                        "it exists, else a few built-in code prompts")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    b.add_argument("--num-draft-tokens", default="1,2,3,4,5,6,7,8", metavar="1,2,...,8",
+                   help="the K values to measure (default 1..8)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
+    b.add_argument("--peers", default=None, metavar="hf,lookup,assisted",
+                   help="transformers peers: hf (greedy generate), lookup (prompt lookup), assisted "
+                        "(needs --assistant), or none; default hf,lookup (+assisted with --assistant) "
+                        "when transformers is installed")
+    b.add_argument("--assistant", default=None, metavar="DIR",
+                   help="assistant model checkpoint for transformers assisted generation")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
+    b.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON to OUT")
+    b.add_argument("--plots", default=None, metavar="DIR",
+                   help="write speedup.png, acceptance.png, accept_hist.png to DIR (needs matplotlib)")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def parse_ks(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, unique), each in 1..MAX_NUM_DRAFT_TOKENS."""
+    from ..speculator import MAX_NUM_DRAFT_TOKENS
+
+    try:
+        ks = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        ks = []
+    if not ks or not all(1 <= k <= MAX_NUM_DRAFT_TOKENS for k in ks):
+        raise Eagle3Error(f"--num-draft-tokens must be comma-separated integers in 1..{MAX_NUM_DRAFT_TOKENS} "
+                          f"(e.g. 1,2,4,8), got '{text}'")
+    return ks
+
+
+def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
+    """The peers to run; the default skips them (with a note) when transformers is missing."""
+    from . import peers
+
+    if text is None:
+        names = ["hf", "lookup"] + (["assisted"] if assistant else [])
+        if not peers.available():
+            notes.append("transformers is not installed: skipping the peers (pip install 'eagle3[hf]')")
+            return []
+        return names
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if names in ([], ["none"]):
+        return []
+    bad = [n for n in names if n not in peers.PEERS]
+    if bad:
+        raise Eagle3Error(f"unknown peer '{bad[0]}'; use a comma-separated list of "
+                          f"{', '.join(peers.PEERS)}, or none")
+    if "assisted" in names and not assistant:
+        raise Eagle3Error("peer 'assisted' needs --assistant DIR (a small model sharing the target's "
+                          "tokenizer)")
+    if not peers.available():
+        raise Eagle3Error(f"peers {','.join(names)} need transformers: pip install 'eagle3[hf]', "
+                          "or pass --peers none")
+    return names
+
+
+def read_prompt_records(path: str) -> list[tuple[str, dict]]:
+    """(where, record) per prompt in a .jsonl (prompt / prompt_ids / messages) or text file."""
+    p = Path(path)
+    if not p.is_file():
+        raise Eagle3Error(f"--prompts {path} does not exist; pass a .jsonl (prompt or prompt_ids per "
+                          "line) or a .txt (one prompt per line)")
+    lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if p.suffix != ".jsonl":
+            records.append((f"{path}:{n}", {"prompt": line}))
+            continue
+        try:
+            records.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError:
+            raise Eagle3Error(f"{path}:{n} is not valid JSON; each line must be an object with "
+                              "prompt or prompt_ids") from None
+    if not records:
+        raise Eagle3Error(f"--prompts {path} holds no prompts; give one per line")
+    return records
+
+
+def default_prompt_records(target: str) -> list[tuple[str, dict]]:
+    from ..default import REPO_MODELS
+
+    shipped = REPO_MODELS / "prompts.jsonl"
+    if target == "default" and shipped.is_file():
+        return read_prompt_records(str(shipped))
+    return [(f"built-in prompt {i + 1}", {"prompt": text}) for i, text in enumerate(BUILTIN_PROMPTS)]
+
+
+def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -> list[list[int]]:
+    """Token ids per record, each checked against the target (vocabulary, length)."""
+    from ..speculator import check_request
+    from ..train.data import _prompt_from_record
+
+    cfg = spec.target.config
+    prompts = []
+    for where, rec in records:
+        ids = _prompt_from_record(rec, spec.tokenizer, where)
+        try:
+            prompts.append(check_request(ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len))
+        except Eagle3Error as e:
+            raise Eagle3Error(f"{where}: {e}") from None
+    return prompts
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark; print the Markdown table; write --json / --plots."""
+    notes: list[str] = []
+    ks = parse_ks(args.num_draft_tokens)
+    peer_names = parse_peers(args.peers, args.assistant, notes)
+    if args.repeats < 1:
+        raise Eagle3Error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_new_tokens < 1:
+        raise Eagle3Error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise Eagle3Error(f"--threads must be >= 1, got {args.threads}")
+    if args.assistant is not None and not (Path(args.assistant) / "config.json").is_file():
+        raise Eagle3Error(f"--assistant {args.assistant} is not a checkpoint directory (no config.json)")
+    if args.plots:
+        from .plots import check_matplotlib
+
+        check_matplotlib()
+    records = (read_prompt_records(args.prompts) if args.prompts is not None
+               else default_prompt_records(args.target))
+
+    import torch
+
+    import eagle3
+
+    from ..default import default_target_dir
+    from ..targets import HFTarget, resolve_dtype
+    from . import peers
+    from .harness import run_bench
+    from .report import markdown
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       max_seq_len=args.max_seq_len, taps=args.taps)
+    if spec.draft is None:
+        notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
+    prompts = encode_prompts(records, spec, args.max_new_tokens)
+    arms = {}
+    if peer_names:
+        tgt = spec.target
+        model = (tgt.model if isinstance(tgt, HFTarget) else
+                 peers.load_model(default_target_dir() if args.target == "default" else args.target,
+                                  resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
+        assistant = (peers.load_model(args.assistant, resolve_dtype(args.dtype), model.device, "assistant")
+                     if "assisted" in peer_names else None)
+        arms = peers.peer_arms(peer_names, model, args.max_new_tokens, tgt.config.eos_token_ids, assistant)
+    for note in notes:
+        notice(note)
+    report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                       peers=arms)
+    report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
+                              dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
+                              device=str(spec.target.embedding_weight.device))
+    report["notes"] = notes
+    print(markdown(report))
+    if args.json:
+        _write(args.json, json.dumps(report, indent=2) + "\n")
+    if args.plots:
+        from .plots import save_plots
+
+        save_plots(report, args.plots)
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as e:
+        raise Eagle3Error(f"cannot write {path} ({e.strerror}); pick a writable path") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`eagle3 bench ...` on its own (argv includes the verb), as `eagle3.cli.main` runs it."""
+    parser = argparse.ArgumentParser(prog="eagle3")
+    add_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except Eagle3Error as e:
+        print(f"eagle3: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""The A/B harness: interleaved repetitions, medians, correctness in the same run, a cost model.
+
+Every decoding variant is an *arm*: a function prompt ids -> `Sample`. For each
+prompt, the arms run in turn, `repeats` times (A B C A B C ...), after one
+untimed warm-up pass over the first prompt. Each repetition `r` gives a total
+over all prompts (tokens, seconds, phase seconds); a row reports the median
+over repetitions. Every sample's tokens are compared with plain decoding's for
+the same prompt and repetition (`outputs_identical`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..decoding.profile import Profile, profiling, sync
+
+PLAIN = "plain"
+
+
+@dataclass
+class Sample:
+    """One timed generation: its tokens, wall seconds, and (our engine only) stats and profile."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict | None = None
+    profile: Profile | None = None
+
+
+Arm = Callable[[list[int]], Sample]
+
+
+def engine_arm(spec: Any, max_new_tokens: int, k: int | None = None) -> Arm:
+    """Our engine: `spec.generate` (chain drafts of K = k, or plain when `spec` has no head), profiled."""
+    def run(ids: list[int]) -> Sample:
+        with profiling() as prof:
+            t0 = time.perf_counter()
+            r = spec.generate(ids, max_new_tokens, num_draft_tokens=k)
+            seconds = time.perf_counter() - t0
+        return Sample(r.token_ids, seconds, r.stats, prof)
+    return run
+
+
+def interleave(arms: dict[str, Arm], prompts: list[list[int]], repeats: int,
+               warmup: bool = True) -> dict[str, list[list[Sample]]]:
+    """Run every arm on every prompt `repeats` times, interleaved; returns samples[arm][prompt][rep]."""
+    if warmup:
+        for arm in arms.values():
+            arm(prompts[0])
+    samples: dict[str, list[list[Sample]]] = {name: [] for name in arms}
+    for ids in prompts:
+        for name in arms:
+            samples[name].append([])
+        for _ in range(repeats):
+            for name, arm in arms.items():
+                samples[name][-1].append(arm(ids))
+    return samples
+
+
+def _per_rep(samples: list[list[Sample]], value: Callable[[Sample], float]) -> list[float]:
+    """Totals over prompts, one per repetition."""
+    return [sum(value(reps[r]) for reps in samples) for r in range(len(samples[0]))]
+
+
+def summarize(samples: list[list[Sample]], plain: list[list[Sample]]) -> dict[str, Any]:
+    """A row for one arm: median tokens/s, correctness vs `plain`, speculation stats, time split."""
+    tokens = _per_rep(samples, lambda s: len(s.token_ids))
+    seconds = _per_rep(samples, lambda s: s.seconds)
+    mismatched = sum(s.token_ids != p.token_ids for reps, preps in zip(samples, plain)
+                     for s, p in zip(reps, preps))
+    row: dict[str, Any] = {
+        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
+        "tokens": int(statistics.median(tokens)), "seconds": statistics.median(seconds),
+        "outputs_identical": mismatched == 0, "mismatched_runs": mismatched}
+    if samples[0][0].stats is None:
+        return row  # a peer: no stats of ours
+    # Speculation counts: greedy decoding is deterministic, so one repetition (the first) tells all.
+    first = [reps[0].stats for reps in samples]
+    total = lambda key: sum(s[key] for s in first)  # noqa: E731
+    rounds, drafted, accepted = total("rounds"), total("draft_tokens"), total("accepted_tokens")
+    per_pos = [sum(c) for c in zip(*(s["accepted_per_position"] for s in first))]
+    drafted_pos = [sum(c) for c in zip(*(s.get("drafted_per_position", []) for s in first))]
+    row.update(
+        rounds=rounds, draft_tokens=drafted, accepted_tokens=accepted,
+        target_forwards=total("target_forwards"),
+        mean_accept_len=1.0 + accepted / rounds if rounds else 1.0,
+        acceptance_rate=accepted / drafted if drafted else None,
+        accepted_per_position=per_pos, drafted_per_position=drafted_pos,
+        accept_rate_per_position=[a / d if d else None for a, d in zip(per_pos, drafted_pos)],
+        accept_len_hist=[sum(c) for c in zip(*(s["accept_len_hist"] for s in first))])
+    # Per round (= per target forward after the prefill): medians over repetitions.
+    steps = _per_rep(samples, lambda s: s.stats["target_forwards"] - 1)
+
+    def per_round(value: Callable[[Sample], float], scale: float = 1e3) -> float:
+        return statistics.median(scale * x / max(n, 1) for x, n in zip(_per_rep(samples, value), steps))
+
+    row.update(
+        draft_ms_per_round=per_round(lambda s: s.profile.draft_seconds),
+        verify_ms_per_round=per_round(lambda s: s.profile.verify_seconds),
+        other_ms_per_round=per_round(lambda s: s.seconds - s.profile.prefill_seconds
+                                     - s.profile.draft_seconds - s.profile.verify_seconds),
+        host_syncs_per_round=per_round(lambda s: s.profile.host_syncs, scale=1.0),
+        prefill_ms=1e3 * statistics.median(_per_rep(samples, lambda s: s.profile.prefill_seconds))
+        / len(samples))
+    return row
+
+
+@torch.no_grad()
+def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dict[str, Any]:
+    """cost(K+1)/cost(1) for target_verify over K+1 tokens on a cache of the prompt, and
+    draft step / target forward (one token each); medians of interleaved timings. Needs a head."""
+    n = len(prompt)
+    sizes = [m for m in sorted({1} | {k + 1 for k in ks}) if n + m <= spec.max_seq_len]
+    pos = torch.arange(spec.max_seq_len)
+    x = torch.tensor([prompt])
+    spec.reset_caches()
+    tok, feat = spec.prefill(x, pos[:n], kv_len=n)
+    d_ids, h = spec.draft_decode(torch.cat([x[:, 1:], tok.view(1, 1)], dim=1), feat, pos[:n], kv_len=n)
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    draft_times: list[float] = []
+    for _ in range(repeats):
+        for m in sizes:
+            t0 = time.perf_counter()
+            ids, _ = spec.target_verify(tok.view(1, 1).expand(1, m), pos[n:n + m], kv_len=n + m)
+            sync(ids)
+            times[m].append(time.perf_counter() - t0)
+            spec.target.truncate_cache(spec.target_cache, n)
+        t0 = time.perf_counter()
+        ids, _ = spec.draft_decode(d_ids[:, -1:], h[:, -1:], pos[n:n + 1], kv_len=n + 1)
+        sync(ids)
+        draft_times.append(time.perf_counter() - t0)
+        spec.draft_cache.truncate(n)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    draft = statistics.median(draft_times)
+    return {"cache_len": n, "target_forward_ms": med[1] * 1e3,
+            "verify_cost_ratio": {str(m): med[m] / med[1] for m in sizes if m > 1},
+            "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
+
+
+def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
+    """The speedup bound from tau and the cost model: tau / (cost(K+1)/cost(1) + K * draft/target).
+
+    A round costs one verify of K+1 tokens plus K draft forwards (K-1 chain
+    steps and the rebuild); plain decoding costs one 1-token forward per token.
+    """
+    ratio = cost["verify_cost_ratio"].get(str(k + 1))
+    return tau / (ratio + k * cost["draft_step_over_target_forward"]) if ratio is not None else None
+
+
+def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
+              repeats: int, peers: dict[str, Arm] | None = None) -> dict[str, Any]:
+    """Plain decoding vs EAGLE-3 chain for each K (and `peers`), interleaved; returns the report.
+
+    The report's top-level DESIGN §4 keys describe the fastest K (`best_k`);
+    `outputs_identical` there is True only if every row of ours matched plain.
+    """
+    from ..speculator import Eagle3Speculator
+
+    plain_spec = Eagle3Speculator(spec.target, None, spec.tokenizer)
+    arms: dict[str, Arm] = {PLAIN: engine_arm(plain_spec, max_new_tokens)}
+    if spec.draft is not None:
+        arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in ks})
+    arms.update(peers or {})
+    samples = interleave(arms, prompts, repeats)
+    plain = samples[PLAIN]
+    rows = []
+    for name, k in [(PLAIN, None)] + [(f"K={k}", k) for k in ks if f"K={k}" in samples]:
+        rows.append({"arm": "plain" if k is None else "eagle3", "k": k,
+                     **summarize(samples[name], plain)})
+    base = rows[0]["tokens_per_s"]
+    cost = cost_model(spec, prompts[0], ks, max(10, 3 * repeats)) if spec.draft is not None else None
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / base
+        row["predicted_speedup"] = (predicted_speedup(row["mean_accept_len"], row["k"], cost)
+                                    if row["k"] else None)
+    peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
+    for row in peer_rows.values():
+        row["speedup"] = row["tokens_per_s"] / base
+    eagle = [r for r in rows if r["k"] is not None]
+    best = max(eagle, key=lambda r: r["tokens_per_s"]) if eagle else None
+    return {
+        "baseline_tokens_per_s": base,
+        "eagle_tokens_per_s": best["tokens_per_s"] if best else None,
+        "speedup": best["speedup"] if best else None,
+        "mean_accept_len": best["mean_accept_len"] if best else None,
+        "accept_len_hist": best["accept_len_hist"] if best else None,
+        "accepted_per_position": best["accepted_per_position"] if best else None,
+        "outputs_identical": all(r["outputs_identical"] for r in rows),
+        "best_k": best["k"] if best else None,
+        "rows": rows, "peers": peer_rows, "cost_model": cost,
+        "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                     "num_draft_tokens": ks if spec.draft is not None else [],
+                     "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads()},
+    }

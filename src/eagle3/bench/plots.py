@@ -1,0 +1,65 @@
+"""PNG plots of a bench report (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import Eagle3Error
+from .report import PEER_NAMES
+
+
+def check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise Eagle3Error("--plots needs matplotlib: pip install matplotlib (or drop --plots)") from None
+
+
+def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
+    """Write speedup.png, acceptance.png and accept_hist.png to `out_dir`; returns their paths."""
+    from matplotlib.figure import Figure
+
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [r for r in report["rows"] if r["k"] is not None]
+    paths = []
+
+    def save(fig: Figure, name: str) -> None:
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    ks = [r["k"] for r in rows]
+    ax.plot(ks, [r["speedup"] for r in rows], "o-", label="EAGLE-3 (measured)")
+    if any(r["predicted_speedup"] is not None for r in rows):
+        ax.plot(ks, [r["predicted_speedup"] for r in rows], "x--", label="cost model")
+    for name, r in report["peers"].items():
+        ax.axhline(r["speedup"], ls=":", color=f"C{2 + list(report['peers']).index(name)}",
+                   label=PEER_NAMES.get(name, name))
+    ax.axhline(1.0, color="gray", lw=0.8, label="plain (eagle3)")
+    ax.set(xlabel="draft tokens per round K", ylabel="speedup vs plain decoding", title="Speedup")
+    ax.legend(fontsize=8)
+    save(fig, "speedup.png")
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for r in rows:
+        rates = [float("nan") if x is None else x for x in r["accept_rate_per_position"]]
+        ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"K={r['k']}")
+    ax.set(xlabel="draft position", ylabel="accepted / drafted there", ylim=(0, 1.05),
+           title="Acceptance per position")
+    if rows:
+        ax.legend(fontsize=8)
+    save(fig, "acceptance.png")
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    best = next((r for r in rows if r["k"] == report["best_k"]), None)
+    if best is not None:
+        ax.bar(range(len(best["accept_len_hist"])), best["accept_len_hist"])
+    ax.set(xlabel="accepted draft tokens per round", ylabel="rounds",
+           title=f"Accepted-length histogram (K={report['best_k']})")
+    save(fig, "accept_hist.png")
+    return paths

@@ -1,0 +1,56 @@
+"""The bench report as Markdown: one table row per arm, then the best K and the cost model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PEER_NAMES = {"hf": "transformers greedy", "lookup": "transformers prompt lookup",
+              "assisted": "transformers assisted"}
+COLUMNS = ("decoding", "tok/s", "speedup", "model", "tau", "accept", "accept per position %",
+           "accepted-length hist", "draft ms/rd", "verify ms/rd", "other ms/rd", "syncs/rd", "identical")
+
+
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _row(name: str, r: dict) -> list[str]:
+    spec = r.get("k") is not None
+    return [name, _f(r["tokens_per_s"], ".1f"), _f(r["speedup"]) + "x", _f(r.get("predicted_speedup")),
+            _f(r["mean_accept_len"]) if spec else "-",
+            _f(r["acceptance_rate"], ".0%") if spec else "-",
+            " ".join(_f(None if a is None else 100 * a, ".0f") for a in r["accept_rate_per_position"])
+            if spec else "-",
+            " ".join(f"{n}:{c}" for n, c in enumerate(r["accept_len_hist"]) if c) if spec else "-",
+            _f(r.get("draft_ms_per_round")), _f(r.get("verify_ms_per_round")),
+            _f(r.get("other_ms_per_round")), _f(r.get("host_syncs_per_round")),
+            "yes" if r["outputs_identical"] else f"NO ({r['mismatched_runs']} runs)"]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown table plus two summary lines."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in report["rows"]:
+        name = "plain (eagle3)" if r["k"] is None else f"EAGLE-3 K={r['k']}"
+        lines.append("| " + " | ".join(_row(name, r)) + " |")
+    for peer, r in report["peers"].items():
+        lines.append("| " + " | ".join(_row(PEER_NAMES.get(peer, peer), r)) + " |")
+    s = report["settings"]
+    lines += ["", f"{s['prompts']} prompts x {s['repeats']} interleaved repetitions, up to "
+              f"{s['max_new_tokens']} new tokens; medians over repetitions; per round = per target "
+              "forward after the prefill (syncs/rd counts the prefill's sync too); accept per position "
+              "= accepted there / rounds that drafted there."]
+    if report["best_k"] is not None:
+        lines.append(f"Best K={report['best_k']}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "
+                     f"{report['baseline_tokens_per_s']:.1f}, speedup {report['speedup']:.2f}x, "
+                     f"tau {report['mean_accept_len']:.2f}.")
+    lines.append("Outputs identical to plain greedy in every run of ours: "
+                 f"{'yes' if report['outputs_identical'] else 'NO'}.")
+    c = report["cost_model"]
+    if c is not None:
+        ratios = " ".join(f"{m}:{v:.2f}" for m, v in c["verify_cost_ratio"].items())
+        lines.append(f"Cost model (cache of {c['cache_len']} tokens): target forward "
+                     f"{c['target_forward_ms']:.2f} ms; cost(K+1)/cost(1) {ratios or '-'}; draft step / "
+                     f"target forward {c['draft_step_over_target_forward']:.2f}; "
+                     "model = tau / (cost(K+1)/cost(1) + K * draft/target).")
+    return "\n".join(lines)

@@ -1,0 +1,241 @@
+"""eagle3 bench: interleaving, medians, the same-run correctness check, stats and time-split
+accounting, the runner's host-sync counter, the report's keys, bad input, the CLI end to end.
+
+No timing assertions: only structure and accounting. The target is a bigram model with a
+head forced to agree with it (tests/heads.py), so acceptance is real and known (full).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.bench import harness, peers
+from eagle3.bench.cli import main, parse_peers
+from eagle3.bench.harness import Sample, interleave, run_bench, summarize
+from eagle3.bench.report import markdown
+from eagle3.decoding.profile import profiling
+from eagle3.draft import save_head
+from eagle3.speculator import Eagle3Speculator, empty_stats
+from eagle3.targets import load_target
+from heads import forced_head, make_bigram
+
+TOP_KEYS = {"baseline_tokens_per_s", "eagle_tokens_per_s", "speedup", "mean_accept_len",
+            "accept_len_hist", "accepted_per_position", "outputs_identical", "best_k", "rows", "peers",
+            "cost_model"}
+ROW_KEYS = {"arm", "k", "tokens_per_s", "speedup", "mean_accept_len", "acceptance_rate",
+            "accept_rate_per_position", "accepted_per_position", "accept_len_hist", "draft_ms_per_round",
+            "verify_ms_per_round", "other_ms_per_round", "host_syncs_per_round", "outputs_identical"}
+PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """(target dir, head dir, prompts.jsonl): a bigram target and a full-acceptance head."""
+    root = tmp_path_factory.mktemp("bench")
+    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
+                      num_attention_heads=4, head_dim=32)
+    make_bigram(m)
+    target, head, prompts = str(root / "target"), str(root / "head"), str(root / "prompts.jsonl")
+    m.save_pretrained(target)
+    save_head(forced_head(load_target(target), "full"), head, "speculators")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS)
+    return target, head, prompts
+
+
+@pytest.fixture(scope="module")
+def spec(dirs):
+    return eagle3.load(dirs[0], dirs[1])
+
+
+# -- the harness ---------------------------------------------------------------------------------
+
+def test_interleave_runs_the_arms_in_turn_for_each_prompt():
+    calls = []
+    arm = lambda name: lambda ids: calls.append((name, ids[0])) or Sample(list(ids), 1.0)  # noqa: E731
+    samples = interleave({"A": arm("A"), "B": arm("B")}, [[1], [2]], repeats=3)
+    warmup = [("A", 1), ("B", 1)]
+    assert calls == warmup + [("A", 1), ("B", 1)] * 3 + [("A", 2), ("B", 2)] * 3
+    assert [len(reps) for reps in samples["A"]] == [3, 3]  # samples[arm][prompt][rep]
+    assert samples["B"][1][2].token_ids == [2]
+
+
+def test_rows_take_the_median_over_repetitions():
+    # Two prompts of 4 tokens, three repetitions: totals per repetition are 8 tokens in
+    # 2, 3 and 11 seconds -> tokens/s 4, 2.67, 0.73 -> the median is 8/3.
+    secs = [[1.0, 2.0, 10.0], [1.0, 1.0, 1.0]]
+    samples = [[Sample([1, 2, 3, 4], s) for s in reps] for reps in secs]
+    row = summarize(samples, samples)
+    assert row["tokens_per_s"] == pytest.approx(8 / 3)
+    assert row["seconds"] == pytest.approx(3.0)
+    assert row["tokens"] == 8
+    assert row["outputs_identical"] and row["mismatched_runs"] == 0
+
+
+def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
+    real = harness.engine_arm
+
+    def corrupting(s, n, k=None):  # the K=2 arm corrupts its second timed run (warm-up = call 0)
+        run, calls = real(s, n, k), []
+
+        def arm(ids):
+            out = run(ids)
+            calls.append(1)
+            if k == 2 and len(calls) == 3:
+                out.token_ids[-1] = (out.token_ids[-1] + 1) % 160
+            return out
+        return arm
+
+    monkeypatch.setattr(harness, "engine_arm", corrupting)
+    bad_peer, peer_calls = real(spec, N, 1), []
+
+    def peer(ids):
+        peer_calls.append(1)
+        out = bad_peer(ids)
+        return Sample(out.token_ids[:-1] if len(peer_calls) == 4 else out.token_ids, out.seconds)
+
+    report = run_bench(spec, PROMPTS[:2], ks=[1, 2], max_new_tokens=N, repeats=2, peers={"bad": peer})
+    rows = {r["k"]: r for r in report["rows"]}
+    assert rows[None]["outputs_identical"] and rows[1]["outputs_identical"]
+    assert not rows[2]["outputs_identical"] and rows[2]["mismatched_runs"] == 1
+    assert report["outputs_identical"] is False  # any row of ours failing fails the whole report
+    assert report["peers"]["bad"]["mismatched_runs"] == 1
+    assert "NO (1 runs)" in markdown(report)
+
+
+def test_report_accounting_matches_generate_stats(spec, dirs):
+    report = run_bench(spec, PROMPTS, ks=[1, 3, 5], max_new_tokens=N, repeats=2)
+    assert TOP_KEYS <= set(report) and report["outputs_identical"] is True
+    json.dumps(report)  # plain JSON types only
+    plain, *rows = report["rows"]
+    assert plain["k"] is None and plain["speedup"] == 1.0 and plain["draft_ms_per_round"] == 0.0
+    for row in rows:
+        assert ROW_KEYS <= set(row)
+        stats = [spec.generate(p, N, num_draft_tokens=row["k"]).stats for p in PROMPTS]
+        hist = [sum(c) for c in zip(*(s["accept_len_hist"] for s in stats))]
+        per_pos = [sum(c) for c in zip(*(s["accepted_per_position"] for s in stats))]
+        drafted = [sum(c) for c in zip(*(s["drafted_per_position"] for s in stats))]
+        rounds = sum(s["rounds"] for s in stats)
+        accepted = sum(s["accepted_tokens"] for s in stats)
+        assert row["accept_len_hist"] == hist and row["accepted_per_position"] == per_pos
+        assert row["rounds"] == rounds == sum(hist)
+        assert row["mean_accept_len"] == pytest.approx(1 + accepted / rounds)
+        assert row["acceptance_rate"] == 1.0  # the forced head agrees with the target everywhere
+        assert row["drafted_per_position"] == drafted and sum(drafted) == row["draft_tokens"]
+        assert drafted[0] == rounds and row["accept_rate_per_position"] == [1.0] * row["k"]
+        assert row["draft_ms_per_round"] > 0 and row["verify_ms_per_round"] > 0
+    best = next(r for r in rows if r["k"] == report["best_k"])
+    assert report["eagle_tokens_per_s"] == best["tokens_per_s"]
+    assert report["speedup"] == pytest.approx(best["tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert report["accept_len_hist"] == best["accept_len_hist"]
+    cost = report["cost_model"]
+    assert set(cost["verify_cost_ratio"]) == {"2", "4", "6"} and cost["draft_step_over_target_forward"] > 0
+    table = markdown(report)
+    assert table.count("| EAGLE-3 K=") == 3 and "| plain (eagle3) |" in table
+
+    no_head = run_bench(eagle3.load(dirs[0], "none"), PROMPTS[:1], ks=[1, 2], max_new_tokens=4, repeats=1)
+    assert [r["k"] for r in no_head["rows"]] == [None] and no_head["best_k"] is None
+    assert no_head["speedup"] is None and no_head["outputs_identical"] is True
+    assert no_head["cost_model"] is None and "Best K" not in markdown(no_head)
+
+
+def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
+    """Count every tensor -> Python conversion made in chain.py / plain.py, independently."""
+    seen = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
+        orig = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=orig, **kw):
+            if sys._getframe(1).f_code.co_filename.endswith(("decoding/chain.py", "decoding/plain.py")):
+                seen.append(1)
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    plain = Eagle3Speculator(spec.target)
+    for s, k in ((spec, 3), (spec, 1), (plain, None)):
+        seen.clear()
+        with profiling() as prof:
+            r = s.generate(PROMPTS[0], N, num_draft_tokens=k, stop_token_ids=[])
+        forwards = r.stats["target_forwards"]
+        assert prof.host_syncs == len(seen) > 0
+        if k is None:  # plain: one int(tok) per generated token
+            assert prof.host_syncs == len(r.token_ids) == forwards and prof.draft_seconds == 0
+        else:  # chain: int(tok) at prefill, two .tolist() per round
+            assert prof.host_syncs == 1 + 2 * (forwards - 1)
+            assert prof.draft_seconds > 0
+        assert prof.prefill_seconds > 0 and prof.verify_seconds > 0
+    # Off (the default), nothing is recorded and the stats keep their contract keys.
+    r = spec.generate(PROMPTS[0], N, num_draft_tokens=3)
+    assert set(r.stats) == set(empty_stats()) | {"drafted_per_position"}
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def err(capsys) -> str:
+    e = capsys.readouterr().err.strip()
+    assert "Traceback" not in e and e.count("\n") == 0, e
+    return e
+
+
+def test_bad_input_is_one_line_and_exit_2(dirs, tmp_path, capsys, monkeypatch):
+    target, head, prompts = dirs
+    base = ["bench", "--target", target, "--draft", head, "--max-new-tokens", "8"]
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt_ids": [1, 2]}\n{oops\n')
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt_ids": [3] * 300}) + "\n")
+    (tmp_path / "vocab.txt").write_text("text needs a tokenizer\n")
+    cases = [
+        (["--prompts", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--prompts", str(tmp_path / "empty.jsonl")], "holds no prompts"),
+        (["--prompts", str(tmp_path / "broken.jsonl")], "broken.jsonl:2 is not valid JSON"),
+        (["--prompts", str(tmp_path / "long.jsonl")], "long.jsonl:1: prompt (300 tokens)"),
+        (["--prompts", str(tmp_path / "vocab.txt")], "tokenizer"),
+        (["--num-draft-tokens", "0,2"], "--num-draft-tokens"),
+        (["--num-draft-tokens", "a,b"], "--num-draft-tokens"),
+        (["--num-draft-tokens", ""], "--num-draft-tokens"),
+        (["--peers", "hf,vllm"], "unknown peer 'vllm'"),
+        (["--peers", "assisted"], "needs --assistant"),
+        (["--assistant", str(tmp_path)], "not a checkpoint directory"),
+        (["--repeats", "0"], "--repeats"),
+    ]
+    for extra, want in cases:
+        assert main(base + extra) == 2, extra
+        assert want in err(capsys), extra
+    monkeypatch.setattr(peers, "available", lambda: False)
+    assert main(base + ["--peers", "hf"]) == 2
+    assert "need transformers" in err(capsys)
+    notes: list[str] = []
+    assert parse_peers(None, None, notes) == [] and "skipping the peers" in notes[0]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0 and "--num-draft-tokens" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_with_peers_json_and_plots(dirs, tmp_path):
+    target, head, prompts = dirs
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
+    cmd = [sys.executable, "-m", "eagle3", "bench", "--target", target, "--draft", head,
+           "--prompts", prompts, "--max-new-tokens", "16", "--num-draft-tokens", "1,4", "--repeats", "2",
+           "--peers", "hf,lookup", "--json", str(out), "--plots", str(plots)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "| EAGLE-3 K=4 |" in p.stdout and "| transformers prompt lookup |" in p.stdout
+    report = json.loads(out.read_text())
+    assert TOP_KEYS <= set(report) and report["outputs_identical"] is True
+    assert report["best_k"] in (1, 4) and report["mean_accept_len"] > 1.5
+    assert set(report["peers"]) == {"hf", "lookup"}
+    for peer in report["peers"].values():
+        assert peer["outputs_identical"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
+    for name in ("speedup.png", "acceptance.png", "accept_hist.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
