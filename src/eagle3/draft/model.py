@@ -16,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kv import StaticKVCache
 from ..targets.config import RopeConfig
-from ..targets.decoder import RMSNorm, Rope, rotate_half
+from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention
 
 
 @dataclass
@@ -57,30 +56,10 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
         B, T, _ = x.shape  # x: (B, T, 2H)
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = cache.update(0, input_pos, k, v)
-        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]  # (B, nkv, S, hd)
-        g = self.n_heads // self.n_kv
-        q = q.reshape(B, self.n_kv, g * T, self.hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(g, 1))
-        out = out.reshape(B, self.n_heads, T, self.hd).transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out)
-
-
-class DraftMLP(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
-        super().__init__()
-        H, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        return self.o_proj(cached_attention(q, k, v, cos, sin, mask, input_pos, cache, 0, kv_len))
 
 
 class DraftLayer(nn.Module):
@@ -88,7 +67,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = DraftAttention(cfg)
-        self.mlp = DraftMLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)

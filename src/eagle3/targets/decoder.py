@@ -81,34 +81,50 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = cache.update(self.layer, input_pos, k, v)  # (B, nkv, S, hd)
-        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        # GQA without copying K/V: fold the query heads of each KV group into the row axis.
-        g = self.n_heads // self.n_kv
-        q = q.reshape(B, self.n_kv, g * T, self.hd)
-        mask = mask.repeat(g, 1)  # (g*T, kv_len)
-        if self.softcap is None:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        else:
-            scores = (q @ keys.transpose(-1, -2)) * self.scale
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-            scores = scores.masked_fill(~mask, float("-inf"))
-            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
-        out = out.reshape(B, self.n_heads, T, self.hd).transpose(1, 2).reshape(B, T, -1)
+        out = cached_attention(q, k, v, cos, sin, mask, input_pos, cache, self.layer, kv_len,
+                               self.scale, self.softcap)
         return self.o_proj(out)
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
+                     cache: StaticKVCache, layer: int, kv_len: int, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """RoPE, write K/V to `cache` at `input_pos`, attend over slots [0, kv_len).
+
+    q (B, T, nh, hd), k/v (B, T, nkv, hd), mask (T, kv_len) bool -> (B, T, nh*hd).
+    """
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    keys, values = cache.update(layer, input_pos, k, v)  # (B, nkv, S, hd)
+    keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+    # GQA without copying K/V: fold the query heads of each KV group into the row axis.
+    g = nh // nkv
+    q = q.reshape(B, nkv, g * T, hd)
+    mask = mask.repeat(g, 1)  # (g*T, kv_len)
+    scale = scale or hd ** -0.5
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        scores = (q @ keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+    return out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    """Gated MLP: SwiGLU (Llama) or GeGLU with tanh GELU (Gemma)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, gelu: bool = False) -> None:
         super().__init__()
-        H, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, H, bias=cfg.mlp_bias)
-        self.gelu = cfg.act == "gelu_tanh"
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
@@ -123,7 +139,7 @@ class Block(nn.Module):
         super().__init__()
         eps, gemma = cfg.rms_norm_eps, cfg.gemma
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.act == "gelu_tanh")
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.gemma = gemma
