@@ -198,8 +198,29 @@ def main() -> int:
                    "train_tokens": int(len(train)), "held_out_tokens": int(len(held)),
                    "file_list_sha256": list_hash, "python": sys.version.split()[0],
                    "final_held_out_loss": hl, "log": log}, f, indent=1)
+    plot_losses(log, out.parent / "target-loss.png")
     print(f"saved {out} (held-out loss {hl:.3f})", flush=True)
     return 0
+
+
+def plot_losses(log: list[dict], path: Path) -> None:
+    """Train and held-out loss per step, as PNG (the model card's curve)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in log]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["train_loss"] for r in log], label="train (batch)")
+    ax.plot(steps, [r["held_out_loss"] for r in log], label="held-out files")
+    ax.set_xlabel(f"step ({log[0].get('tokens_per_step', 2048) if log else 2048} tokens/step)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("default target: training curve")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
