@@ -88,35 +88,29 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     per_pos = stats["accepted_per_position"] = [0] * k_max
     drafted = stats["drafted_per_position"] = [0] * k_max  # rounds near the end draft fewer
     hist = stats["accept_len_hist"] = [0] * (k_max + 1)
-    prof = active()  # None unless profiling: then the `if prof:` lines time phases, count syncs
+    prof = active()  # times phases and counts host syncs inside `profiling()`; else no-ops
 
-    if prof:
-        prof.tic()
+    prof.tic()
     tok, feat = spec.prefill(prompt, pos[:n], kv_len=n)  # (1,), (1, n, H)
     out = [int(tok)]
     stats["target_forwards"] += 1
     if max_new_tokens == 1 or out[-1] in stop_ids:
-        if prof:
-            prof.toc("prefill", syncs=1)
+        prof.toc("prefill", syncs=1)
         return out
     anchor = tok.view(1, 1)
     first, boundary = drafter.prefill_prompt(torch.cat([prompt[:, 1:], anchor], dim=1), feat, 0)
-    if prof:
-        prof.toc("prefill", first, syncs=1)
+    prof.toc("prefill", first, syncs=1)
     cur = n + 1  # tokens so far, the anchor included
     while True:
         k = min(granted_drafts(k_max, cur, max_len), max_new_tokens - len(out) - 1)
-        if prof:
-            prof.tic()
+        prof.tic()
         drafts = drafter.chain_round(first, boundary, k) if k > 0 else anchor[:, :0]
-        if prof:
-            prof.toc("draft", drafts)
+        prof.toc("draft", drafts)
         verify_ids, vfeat = spec.target_verify(torch.cat([anchor, drafts], dim=1),
                                                pos[cur - 1:cur + k], kv_len=cur + k)
         stats["target_forwards"] += 1
         v, d = verify_ids[0].tolist(), drafts[0].tolist()
-        if prof:
-            prof.toc("verify", syncs=2)
+        prof.toc("verify", syncs=2)
         a = 0
         while a < k and d[a] == v[a]:
             a += 1
@@ -137,11 +131,9 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         if out[-1] in stop_ids or len(out) >= max_new_tokens:
             break
         anchor = verify_ids[:, a:a + 1]
-        if prof:
-            prof.tic()
+        prof.tic()
         first, boundary = drafter.rebuild_after_verify(torch.cat([drafts[:, :a], anchor], dim=1),
                                                        vfeat[:, :a + 1], cur - 1)
-        if prof:
-            prof.toc("draft", first)
+        prof.toc("draft", first)
         cur += a + 1
     return out

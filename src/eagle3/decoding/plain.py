@@ -18,8 +18,7 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
     synchronisation per token (`int(tok)`); see `decoding.profile` for profiling.
     """
     prof = active()
-    if prof:
-        prof.tic()
+    prof.tic()
     n = len(prompt_ids)
     cache = target.new_cache(1, n + max_new_tokens)
     pos = torch.arange(n + max_new_tokens)
@@ -28,8 +27,7 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
     tok = logits[0, -1].argmax()
     out = [int(tok)]
     forwards = 1
-    if prof:
-        prof.toc("prefill", syncs=1)
+    prof.toc("prefill", syncs=1)
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         p = n + len(out) - 1
         logits, _ = target.forward_logits_taps(tok.view(1, 1), pos[p:p + 1], cache, kv_len=p + 1,
@@ -37,6 +35,5 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
         tok = logits[0, -1].argmax()
         out.append(int(tok))
         forwards += 1
-        if prof:
-            prof.toc("verify", syncs=1)
+        prof.toc("verify", syncs=1)
     return out, forwards

@@ -1,7 +1,7 @@
 """Opt-in instrumentation of the decoding loops (used by `eagle3 bench`).
 
-Off by default: each loop reads `active()` once per call and skips every hook
-when it is None, so normal decoding pays nothing. Inside
+Off by default: `active()` then returns a profile whose hooks do nothing, so
+normal decoding pays a few no-op calls per round. Inside
 `with profiling() as prof:` the loops add into `prof`:
 
     prefill_seconds  the prompt's target forward (and the draft's prefill_prompt)
@@ -54,12 +54,23 @@ class Profile:
         self._t = now
 
 
+class _Off(Profile):
+    """The profile used when nobody is profiling: every hook is a no-op."""
+
+    def tic(self) -> None:
+        pass
+
+    def toc(self, phase: str, t: torch.Tensor | None = None, syncs: int = 0) -> None:
+        pass
+
+
+_OFF = _Off()
 _ACTIVE: ContextVar[Profile | None] = ContextVar("eagle3_profile", default=None)
 
 
-def active() -> Profile | None:
-    """The profile the decoding loops should fill, or None (the default: no instrumentation)."""
-    return _ACTIVE.get()
+def active() -> Profile:
+    """The profile the decoding loops should fill (a no-op one unless inside `profiling()`)."""
+    return _ACTIVE.get() or _OFF
 
 
 @contextmanager
