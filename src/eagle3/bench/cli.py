@@ -209,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         notice(note)
     report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       peers=arms)
+                       peers=arms, progress=sys.stderr.isatty())
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
                               device=str(spec.target.embedding_weight.device))

@@ -48,18 +48,23 @@ def engine_arm(spec: Any, max_new_tokens: int, k: int | None = None) -> Arm:
 
 
 def interleave(arms: dict[str, Arm], prompts: list[list[int]], repeats: int,
-               warmup: bool = True) -> dict[str, list[list[Sample]]]:
+               warmup: bool = True, progress: bool = False) -> dict[str, list[list[Sample]]]:
     """Run every arm on every prompt `repeats` times, interleaved; returns samples[arm][prompt][rep]."""
+    from tqdm import tqdm
+
     if warmup:
         for arm in arms.values():
             arm(prompts[0])
     samples: dict[str, list[list[Sample]]] = {name: [] for name in arms}
+    bar = tqdm(total=len(prompts) * repeats * len(arms), desc="bench", unit="run", disable=not progress)
     for ids in prompts:
         for name in arms:
             samples[name].append([])
         for _ in range(repeats):
             for name, arm in arms.items():
                 samples[name][-1].append(arm(ids))
+                bar.update(1)
+    bar.close()
     return samples
 
 
@@ -154,7 +159,8 @@ def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
 
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
-              repeats: int, peers: dict[str, Arm] | None = None) -> dict[str, Any]:
+              repeats: int, peers: dict[str, Arm] | None = None,
+              progress: bool = False) -> dict[str, Any]:
     """Plain decoding vs EAGLE-3 chain for each K (and `peers`), interleaved; returns the report.
 
     The report's top-level DESIGN §4 keys describe the fastest K (`best_k`);
@@ -167,7 +173,7 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     if spec.draft is not None:
         arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in ks})
     arms.update(peers or {})
-    samples = interleave(arms, prompts, repeats)
+    samples = interleave(arms, prompts, repeats, progress=progress)
     plain = samples[PLAIN]
     rows = []
     for name, k in [(PLAIN, None)] + [(f"K={k}", k) for k in ks if f"K={k}" in samples]:
