@@ -78,6 +78,7 @@ def load_native(path: str, *, dtype: torch.dtype | str | None = None,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.build_buffers()
+    model.fuse_projections()
     if taps is not None:
         model.tap_layers = taps
     return model.eval().requires_grad_(False)

@@ -67,18 +67,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, self.n_kv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(H, self.n_kv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=cfg.o_bias)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse()
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.gemma)
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one `qkv_proj` (same numbers, one matmul instead of three)."""
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.q_proj = self.k_proj = self.v_proj = None
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                              self.n_kv * self.hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        v = v.view(B, T, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = cached_attention(q, k, v, cos, sin, mask, input_pos, cache, self.layer, kv_len,
@@ -125,11 +136,32 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = gelu
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one `gate_up_proj` (one matmul instead of two)."""
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs."""
+    w = torch.cat([p.weight for p in parts])
+    bias = parts[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(parts[0].weight.requires_grad)
 
 
 class Block(nn.Module):
@@ -190,6 +222,16 @@ class NativeTarget(nn.Module):
         ropes = sorted(set(cfg.layer_rope), key=repr)
         self.ropes = nn.ModuleList(Rope(r, cfg.head_dim, cfg.max_seq_len) for r in ropes)
         self.layer_rope_idx = [ropes.index(r) for r in cfg.layer_rope]
+
+    def fuse_projections(self) -> NativeTarget:
+        """Fuse q/k/v and gate/up projections for inference (fewer, larger matmuls).
+
+        Call after loading weights; the fused model computes the same function.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     # -- taps -----------------------------------------------------------------
     @property
