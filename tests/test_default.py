@@ -57,3 +57,22 @@ def test_make_run_command(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip()
     assert "speedup" in p.stderr and "outputs identical: True" in p.stderr
+
+
+def test_default_target_matches_transformers(spec):
+    """The shipped checkpoint is a plain HF Llama: transformers loads it and agrees with ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers import PreTrainedTokenizerFast
+
+    d = str(REPO_MODELS / "target")
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    text = held_out_prompts()[0]
+    ids = PreTrainedTokenizerFast.from_pretrained(d)(text)["input_ids"]
+    assert ids == spec.tokenizer.encode(text)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = oracle(x).logits
+        got, _ = spec.target.forward_logits_taps(x, torch.arange(len(ids)), spec.target.new_cache(),
+                                                 with_taps=False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
