@@ -16,7 +16,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,6 @@ class TrainArgs:
     features: str = "online"  # online | offline
     taps: tuple[int, ...] | None = None
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _dist() -> tuple[int, int]:
@@ -175,8 +174,7 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     if rank != 0:
-        samples = load_or_regenerate(cache, key, lambda: (_ for _ in ()).throw(
-            Eagle3Error("rank 0 did not write the regenerated data")))
+        samples = load_or_regenerate(cache, key, _rank0_wrote_nothing)
     tokens = torch.cat([s.tokens for s in samples])
     mask = torch.cat([s.mask for s in samples])
     if not mask.any():
@@ -184,6 +182,10 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
                           "prompts and the target's EOS")
     ids, d2t, t2d = build_draft_vocab(tokens, mask, target.config.vocab_size, args.draft_vocab)
     return samples, ids, d2t, t2d, key
+
+
+def _rank0_wrote_nothing() -> list[Sample]:
+    raise Eagle3Error("rank 0 did not write the regenerated data; rerun, or run single-process once")
 
 
 def train_draft(args: TrainArgs) -> dict:
@@ -312,8 +314,7 @@ def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tenso
               "final_acc_per_step": [round(sum(r["acc"][i] for r in tail) / len(tail), 4)
                                      for i in range(len(tail[0]["acc"]))] if tail else [],
               "samples": len(samples), "draft_vocab_size": int(ids.numel()),
-              "taps": list(head.config.taps or ()), "args": {k: v for k, v in asdict(args).items()
-                                                            if k != "extra"}, "log": log}
+              "taps": list(head.config.taps or ()), "args": asdict(args), "log": log}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     try:
         plot_report(log, out / "report.png")
