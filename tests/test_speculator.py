@@ -130,7 +130,7 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     tok, feat = spec.prefill(prompt, torch.arange(n))
     drafter = ChainDrafter(spec, torch.arange(t.config.max_seq_len))
     seed_tokens = torch.cat([prompt[:, 1:], tok.view(1, 1)], 1)
-    first, boundary = drafter.prefill_prompt(seed_tokens, feat, 0)
+    first, boundary = drafter.prefill_prompt(seed_tokens, feat)
     drafts = drafter.draft_chain(first, boundary, 5)  # (1, 5)
     # Recompute without a cache: one forward over all slots, feeding each step the previous output.
     tokens, feats = seed_tokens, feat

@@ -15,14 +15,19 @@ from .errors import Eagle3Error
 
 
 class StaticKVCache:
-    """K/V for `n_layers` layers: `k`, `v` are (L, B, n_kv, S, hd)."""
+    """K/V for `n_layers` layers: `k[layer]`, `v[layer]` are (B, n_kv, S, hd).
+
+    One tensor per layer rather than one (L, ...) tensor: under `torch.compile`
+    an in-place write into a view of a larger input makes inductor copy the
+    whole input back every call; a write into a whole input stays in place.
+    """
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
                  head_dim: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
-        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         # Host-side bookkeeping for eager callers: number of committed positions.
         self.length = 0
@@ -58,5 +63,5 @@ class StaticKVCache:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""
         n = src_slots.numel()
         dst = torch.arange(dst_start, dst_start + n, device=src_slots.device)
-        self.k.index_copy_(3, dst, self.k.index_select(3, src_slots))
-        self.v.index_copy_(3, dst, self.v.index_select(3, src_slots))
+        for layer_kv in (*self.k, *self.v):
+            layer_kv.index_copy_(2, dst, layer_kv.index_select(2, src_slots))

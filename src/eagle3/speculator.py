@@ -91,6 +91,7 @@ class Eagle3Speculator:
         self.target_cache: Any = None
         self.draft_cache: Any = None
         self._warned_low_acceptance = False
+        self.compiled: Any = None  # set by compile()
 
     @property
     def max_seq_len(self) -> int:
@@ -118,40 +119,68 @@ class Eagle3Speculator:
                 kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over the prompt: next greedy token (B,) and features (B, T, H)."""
         self._caches()
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       kv_len=kv_len, last_only=True)
-        return logits[:, -1].argmax(-1), self._fuse(taps)
+        ids, feature = self._target(tokens, input_pos, kv_len, last_only=True, compiled=False)
+        return ids[:, -1], feature
 
     @torch.no_grad()
     def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                       kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over [anchor, drafts]: verify_ids[i] = greedy token after token i."""
         self._caches()
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       kv_len=kv_len)
-        return logits.argmax(-1), self._fuse(taps)
+        return self._target(tokens, input_pos, kv_len)
 
     @torch.no_grad()
     def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, *,
                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward: T>1 seeds the draft cache, T=1 steps. Returns target ids and next features."""
-        if self.draft is None:
-            raise Eagle3Error("this speculator has no draft head (loaded with draft='none')")
-        self._caches()
-        if not torch.compiler.is_compiling():  # host-side contiguity check; export skips it
-            T = tokens.shape[1]
-            self.draft_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
-        logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
-        return self.draft.to_target_ids(logits.argmax(-1)), h
+        return self._draft(tokens, feature, input_pos, kv_len)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One plain target step (eager only): next greedy token (B,) and its feature."""
         self._caches()
+        ids, feature = self._target(tokens, input_pos, kv_len, with_taps=self.draft is not None)
+        return ids[:, -1], feature
+
+    # -- the steps behind the contract (compiled when `compile()` was called) -------------------
+    def _target(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None, *,
+                with_taps: bool = True, last_only: bool = False,
+                compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy ids (B, T|1) and fused features (B, T, H) (None without taps)."""
+        if compiled and self.compiled is not None:
+            return self.compiled.target(tokens, input_pos, kv_len or self.target_cache.max_len,
+                                        with_taps, last_only)
         logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       kv_len=kv_len, with_taps=self.draft is not None)
-        return logits[:, -1].argmax(-1), (self._fuse(taps) if taps is not None else None)
+                                                       kv_len=kv_len, last_only=last_only,
+                                                       with_taps=with_taps)
+        return logits.argmax(-1), self._fuse(taps)
+
+    def _draft(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
+               kv_len: int | None, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.draft is None:
+            raise Eagle3Error("this speculator has no draft head (loaded with draft='none')")
+        self._caches()
+        if not torch.compiler.is_compiling():  # host-side contiguity check; export skips it
+            T = tokens.shape[1]
+            self.draft_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
+        if compiled and self.compiled is not None:
+            return self.compiled.draft(tokens, feature, input_pos, kv_len or self.draft_cache.max_len)
+        logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
+        return self.draft.to_target_ids(logits.argmax(-1)), h
+
+    def compile(self, max_autotune: bool = False) -> Eagle3Speculator:
+        """Run verify / decode / draft steps through `torch.compile` (native targets only).
+
+        Each distinct step shape compiles once (tens of seconds on a small CPU;
+        inductor caches the result on disk for later processes); the prompt's
+        prefill stays eager. `max_autotune` lets inductor pick its own small-M
+        GEMM kernels, which make a K+1-token verify cost little more than one token.
+        """
+        from .decoding.compiled import CompiledSteps
+
+        self.compiled = CompiledSteps(self, max_autotune)
+        return self
 
     def _fuse(self, taps: torch.Tensor | None) -> torch.Tensor | None:
         return self.draft.fuse(taps) if self.draft is not None and taps is not None else taps
@@ -182,7 +211,10 @@ class Eagle3Speculator:
         stats = empty_stats()
         t0 = time.perf_counter()
         if self.draft is None:
-            tokens, stats["target_forwards"] = plain_greedy(self.target, ids, max_new_tokens, stop)
+            self.reset_caches()
+            step = lambda tok, pos, n: self._target(tok, pos, n, with_taps=False, last_only=True)[0]
+            tokens, stats["target_forwards"] = plain_greedy(self.target, ids, max_new_tokens, stop,
+                                                            cache=self.target_cache, step=step)
         else:
             tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats)
             if stats["rounds"]:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..decoding.profile import Profile, profiling, sync
+from ..decoding.autok import measure_cost, predicted_speedup
+from ..decoding.profile import Profile, profiling
 
 PLAIN = "plain"
 
@@ -116,46 +117,10 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]]) -> dict[st
     return row
 
 
-@torch.no_grad()
 def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dict[str, Any]:
-    """cost(K+1)/cost(1) for target_verify over K+1 tokens on a cache of the prompt, and
-    draft step / target forward (one token each); medians of interleaved timings. Needs a head."""
-    n = len(prompt)
-    sizes = [m for m in sorted({1} | {k + 1 for k in ks}) if n + m <= spec.max_seq_len]
-    pos = torch.arange(spec.max_seq_len)
-    x = torch.tensor([prompt])
-    spec.reset_caches()
-    tok, feat = spec.prefill(x, pos[:n], kv_len=n)
-    d_ids, h = spec.draft_decode(torch.cat([x[:, 1:], tok.view(1, 1)], dim=1), feat, pos[:n], kv_len=n)
-    times: dict[int, list[float]] = {m: [] for m in sizes}
-    draft_times: list[float] = []
-    for _ in range(repeats):
-        for m in sizes:
-            t0 = time.perf_counter()
-            ids, _ = spec.target_verify(tok.view(1, 1).expand(1, m), pos[n:n + m], kv_len=n + m)
-            sync(ids)
-            times[m].append(time.perf_counter() - t0)
-            spec.target.truncate_cache(spec.target_cache, n)
-        t0 = time.perf_counter()
-        ids, _ = spec.draft_decode(d_ids[:, -1:], h[:, -1:], pos[n:n + 1], kv_len=n + 1)
-        sync(ids)
-        draft_times.append(time.perf_counter() - t0)
-        spec.draft_cache.truncate(n)
-    med = {m: statistics.median(t) for m, t in times.items()}
-    draft = statistics.median(draft_times)
-    return {"cache_len": n, "target_forward_ms": med[1] * 1e3,
-            "verify_cost_ratio": {str(m): med[m] / med[1] for m in sizes if m > 1},
-            "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
-
-
-def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
-    """The speedup bound from tau and the cost model: tau / (cost(K+1)/cost(1) + K * draft/target).
-
-    A round costs one verify of K+1 tokens plus K draft forwards (K-1 chain
-    steps and the rebuild); plain decoding costs one 1-token forward per token.
-    """
-    ratio = cost["verify_cost_ratio"].get(str(k + 1))
-    return tau / (ratio + k * cost["draft_step_over_target_forward"]) if ratio is not None else None
+    """cost(K+1)/cost(1) of target_verify over K+1 tokens, and draft step / target forward,
+    through the engine as configured (compiled steps when enabled). Needs a head."""
+    return measure_cost(spec, prompt, [k + 1 for k in ks], repeats)
 
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,

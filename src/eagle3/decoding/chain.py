@@ -15,8 +15,8 @@ The corrected/bonus token `c` never gets a target forward of its own: it is
 the next round's anchor. The drafter keeps pegainfer's vocabulary
 (prefill_prompt / draft_chain / chain_round / rebuild_after_verify).
 
-Host synchronisations: one at prefill (`int(tok)`), two per round (the verify
-ids and the drafts `.tolist()`). Inside `decoding.profile.profiling()` the
+Host synchronisations: one at prefill (`int(tok)`), one per round (the verify
+ids and the drafts in one `.tolist()`). Inside `decoding.profile.profiling()` the
 runner counts them and times its phases (draft / verify / prefill).
 """
 
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..targets.decoder import slots_upto
 from .profile import active
 
 if TYPE_CHECKING:
@@ -38,7 +39,11 @@ def granted_drafts(k: int, cur_len: int, max_len: int) -> int:
 
 
 class ChainDrafter:
-    """Draft-side operations over `Eagle3Speculator.draft_decode` and the draft cache."""
+    """Draft-side operations over `Eagle3Speculator.draft_decode` and the draft cache.
+
+    With compiled steps (`spec.compile()`), `chain_after_verify` runs the rebuild and the
+    next chain as one compiled graph (`CompiledSteps.rebuild_chain`): one call per round.
+    """
 
     def __init__(self, spec: Eagle3Speculator, pos: torch.Tensor) -> None:
         self.spec = spec
@@ -56,12 +61,22 @@ class ChainDrafter:
         self.length = start + T
         return ids[:, -1:], h[:, -1:]
 
-    prefill_prompt = rebuild_after_verify  # the same operation over the prompt, at slot 0
+    def prefill_prompt(self, tokens: torch.Tensor,
+                       features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rebuild_after_verify over the whole prompt at slot 0 (always eager: one shape per prompt)."""
+        T = tokens.shape[1]
+        ids, h = self.spec._draft(tokens, features, self.pos[:T], T, compiled=False)
+        self.length = T
+        return ids[:, -1:], h[:, -1:]
 
     def draft_chain(self, first: torch.Tensor, feature: torch.Tensor, k: int) -> torch.Tensor:
         """k draft tokens (1, k): `first` plus k-1 steps, each fed the previous step's feature."""
-        drafts = [first]
         p = self.length
+        compiled = self.spec.compiled
+        if compiled is not None:
+            self.spec.draft_cache.claim(p, k - 1)
+            return compiled.chain(first, feature, self.pos[p:p + k - 1], p + k - 1)
+        drafts = [first]
         for i in range(k - 1):
             ids, feature = self.spec.draft_decode(drafts[-1], feature, self.pos[p + i:p + i + 1],
                                                   kv_len=p + i + 1)
@@ -74,6 +89,30 @@ class ChainDrafter:
         self.spec.draft_cache.truncate(self.length)
         return drafts
 
+    def chain_after_verify(self, drafts: torch.Tensor, a: int, anchor: torch.Tensor,
+                           vfeat: torch.Tensor, start: int, k: int) -> torch.Tensor:
+        """rebuild_after_verify over [d1..da, anchor] at `start`, then chain_round of k drafts.
+
+        Compiled, the rebuild keeps the verify's shape (k_prev + 1 rows: the tokens after
+        the anchor are padding whose slots lie past the committed length, so causal
+        attention never reads them and the chain's steps overwrite them).
+        """
+        compiled = self.spec.compiled
+        if compiled is None:
+            first, boundary = self.rebuild_after_verify(torch.cat([drafts[:, :a], anchor], dim=1),
+                                                        vfeat[:, :a + 1], start)
+            return self.chain_round(first, boundary, k)
+        T = vfeat.shape[1]
+        seed = torch.cat([drafts[:, :a], anchor.expand(1, T - a)], dim=1)  # (1, T)
+        p = start + a + 1  # the first chain step's slot
+        kv_len = max(start + T, p + k - 1)
+        self.spec.draft_cache.claim(start, kv_len - start)
+        out = compiled.rebuild_chain(seed, vfeat, self.pos[start:start + T], a,
+                                     self.pos[p:p + k - 1], kv_len)
+        self.length = p
+        self.spec.draft_cache.truncate(p)
+        return out
+
 
 @torch.no_grad()
 def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens: int, k_max: int,
@@ -81,7 +120,7 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     """Speculative greedy decoding with chain drafts of up to `k_max` tokens; fills `stats`."""
     n = len(prompt_ids)
     max_len = spec.max_seq_len
-    pos = torch.arange(max_len)
+    pos = slots_upto(max_len)
     spec.reset_caches()
     drafter = ChainDrafter(spec, pos)
     prompt = torch.tensor([prompt_ids])
@@ -89,6 +128,13 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     drafted = stats["drafted_per_position"] = [0] * k_max  # rounds near the end draft fewer
     hist = stats["accept_len_hist"] = [0] * (k_max + 1)
     prof = active()  # times phases and counts host syncs inside `profiling()`; else no-ops
+    # Compiled steps keep k fixed (one shape) until the cache's end; tokens past
+    # max_new_tokens are then verified and dropped.
+    fixed_shapes = spec.compiled is not None
+
+    def granted(cur: int, emitted: int) -> int:
+        k = granted_drafts(k_max, cur, max_len)
+        return k if fixed_shapes else min(k, max_new_tokens - emitted - 1)
 
     prof.tic()
     tok, feat = spec.prefill(prompt, pos[:n], kv_len=n)  # (1,), (1, n, H)
@@ -98,19 +144,20 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         prof.toc("prefill", syncs=1)
         return out
     anchor = tok.view(1, 1)
-    first, boundary = drafter.prefill_prompt(torch.cat([prompt[:, 1:], anchor], dim=1), feat, 0)
+    first, boundary = drafter.prefill_prompt(torch.cat([prompt[:, 1:], anchor], dim=1), feat)
     prof.toc("prefill", first, syncs=1)
     cur = n + 1  # tokens so far, the anchor included
+    k = granted(cur, len(out))
+    prof.tic()
+    drafts = drafter.chain_round(first, boundary, k) if k > 0 else anchor[:, :0]
+    prof.toc("draft", drafts)
     while True:
-        k = min(granted_drafts(k_max, cur, max_len), max_new_tokens - len(out) - 1)
-        prof.tic()
-        drafts = drafter.chain_round(first, boundary, k) if k > 0 else anchor[:, :0]
-        prof.toc("draft", drafts)
         verify_ids, vfeat = spec.target_verify(torch.cat([anchor, drafts], dim=1),
                                                pos[cur - 1:cur + k], kv_len=cur + k)
         stats["target_forwards"] += 1
-        v, d = verify_ids[0].tolist(), drafts[0].tolist()
-        prof.toc("verify", syncs=2)
+        vd = torch.cat([verify_ids, drafts], dim=1)[0].tolist()  # one host sync per round
+        v, d = vd[:k + 1], vd[k + 1:]
+        prof.toc("verify", syncs=1)
         a = 0
         while a < k and d[a] == v[a]:
             a += 1
@@ -131,9 +178,13 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         if out[-1] in stop_ids or len(out) >= max_new_tokens:
             break
         anchor = verify_ids[:, a:a + 1]
+        start, cur = cur - 1, cur + a + 1
+        k_next = granted(cur, len(out))
         prof.tic()
-        first, boundary = drafter.rebuild_after_verify(torch.cat([drafts[:, :a], anchor], dim=1),
-                                                       vfeat[:, :a + 1], cur - 1)
-        prof.toc("draft", first)
-        cur += a + 1
+        if k_next > 0:  # once no draft is granted none ever is again: the draft cache can stop
+            drafts = drafter.chain_after_verify(drafts, a, anchor, vfeat, start, k_next)
+        else:
+            drafts = anchor[:, :0]
+        k = k_next
+        prof.toc("draft", drafts)
     return out

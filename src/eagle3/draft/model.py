@@ -20,7 +20,7 @@ from torch import nn
 
 from ..kv import StaticKVCache
 from ..targets.config import RopeConfig
-from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention
+from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention, slots_upto
 
 
 @dataclass
@@ -138,15 +138,19 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
                 cache: StaticKVCache, *, kv_len: int | None = None,
-                attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attn_mask: torch.Tensor | None = None,
+                key_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) with features (B, T, H) at slots `input_pos` (T,).
 
         Returns (draft logits (B, T, draft_vocab), next feature h (B, T, H)).
-        `attn_mask` (T, kv_len) bool replaces the causal mask (tree drafting).
+        `attn_mask` (T, kv_len) bool replaces the causal mask (tree drafting);
+        `key_slots` = arange(kv_len) may replace `kv_len` (see the target's forward).
         """
-        S = kv_len or cache.max_len
+        if key_slots is None:
+            key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
+        S = key_slots.shape[0]
         if attn_mask is None:
-            attn_mask = torch.arange(S, device=tokens.device)[None, :] <= input_pos[:, None]
+            attn_mask = key_slots[None, :] <= input_pos[:, None]
         cos, sin = self.rope(input_pos, feature.dtype)
         emb = self.embed_tokens(tokens)  # (B, T, H)
         h = self.midlayer(emb, feature, cos, sin, attn_mask, input_pos, cache, S)

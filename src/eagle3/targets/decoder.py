@@ -35,6 +35,18 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+_SLOTS: dict[torch.device, torch.Tensor] = {}
+
+
+def slots_upto(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """arange(n) as a slice of a shared table: no allocation per decoding step."""
+    device = torch.device(device)
+    table = _SLOTS.get(device)
+    if table is None or table.shape[0] < n:
+        table = _SLOTS[device] = torch.arange(max(n, 4096), device=device)
+    return table[:n]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -267,9 +279,16 @@ class NativeTarget(nn.Module):
                             cache: StaticKVCache, *, kv_len: int | None = None,
                             attn_mask: torch.Tensor | None = None,
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
-                            with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments."""
-        S = kv_len or cache.max_len
+                            with_taps: bool = True, key_slots: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments.
+
+        `key_slots` = arange(kv_len), an alternative to `kv_len` for compiled callers: its
+        length can be marked dynamic, so one compiled graph serves every cache length.
+        """
+        if key_slots is None:
+            key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
+        S = key_slots.shape[0]
         h = self.model.embed_tokens(tokens)  # (B, T, H)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
@@ -277,7 +296,7 @@ class NativeTarget(nn.Module):
         # One (T, S) mask per distinct window; True = may attend. The window is measured from
         # the query's position `rp`, not its slot: tree slots run ahead of their positions (a
         # committed key's slot is its position; a tree key's slot is >= its position).
-        key_pos = torch.arange(S, device=tokens.device)[None, :]
+        key_pos = key_slots[None, :]
         masks = []
         for w in self.windows:
             m = key_pos <= input_pos[:, None] if attn_mask is None else attn_mask

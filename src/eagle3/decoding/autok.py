@@ -1,0 +1,111 @@
+"""Choosing K, the number of chain drafts per round, from a cost model and measured acceptance.
+
+A round that drafts K tokens costs one target forward over K+1 tokens plus K
+draft forwards, and yields tau(K) tokens on average, so against plain decoding
+
+    speedup(K) = tau(K) / (cost(K+1)/cost(1) + K * draft/target)
+
+`measure_cost` times those forwards on this machine (`eagle3 bench` reports the
+same numbers). tau(K) = 1 + sum_j prod_{i<j} q_i, where q_i is the acceptance
+rate of draft position i given that the earlier ones were accepted: counted
+per round by `AutoK.record`, pooled over the speculator's generations, and
+shrunk towards a prior (0.8, typical of EAGLE-3 heads) where there is little data.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..targets.decoder import slots_upto
+from .profile import sync
+
+if TYPE_CHECKING:
+    from ..speculator import Eagle3Speculator
+
+AUTO_MAX_K = 8
+PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0
+REPICK_EVERY = 8  # rounds between choices within one generation
+
+
+@torch.no_grad()
+def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], repeats: int, *,
+                 compiled: bool = True) -> dict[str, Any]:
+    """cost(T)/cost(1) of a target forward over T tokens (T in `sizes`) on a cache holding
+    `prompt`, and draft step / target forward (one token each): medians of interleaved
+    timings, through the compiled steps when the speculator has them and `compiled`."""
+    n = len(prompt)
+    sizes = [m for m in sorted({1, *sizes}) if n + m <= spec.max_seq_len]
+    pos = slots_upto(spec.max_seq_len)
+    x = torch.tensor([prompt])
+    spec.reset_caches()
+    tok, feat = spec.prefill(x, pos[:n], kv_len=n)
+    d_ids, h = spec._draft(torch.cat([x[:, 1:], tok.view(1, 1)], dim=1), feat, pos[:n], n, compiled=False)
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    draft_times: list[float] = []
+    for _ in range(repeats):
+        for m in sizes:
+            t0 = time.perf_counter()
+            ids, _ = spec._target(tok.view(1, 1).expand(1, m), pos[n:n + m], n + m, compiled=compiled)
+            sync(ids)
+            times[m].append(time.perf_counter() - t0)
+            spec.target.truncate_cache(spec.target_cache, n)
+        t0 = time.perf_counter()
+        ids, _ = spec._draft(d_ids[:, -1:], h[:, -1:], pos[n:n + 1], n + 1, compiled=compiled)
+        sync(ids)
+        draft_times.append(time.perf_counter() - t0)
+        spec.draft_cache.truncate(n)
+    spec.reset_caches()
+    med = {m: statistics.median(t) for m, t in times.items()}
+    draft = statistics.median(draft_times)
+    return {"cache_len": n, "target_forward_ms": med[1] * 1e3,
+            "verify_cost_ratio": {str(m): med[m] / med[1] for m in sizes if m > 1},
+            "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
+
+
+def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
+    """tau / (cost(K+1)/cost(1) + K * draft/target); None when cost(K+1) was not measured."""
+    ratio = cost["verify_cost_ratio"].get(str(k + 1))
+    return tau / (ratio + k * cost["draft_step_over_target_forward"]) if ratio is not None else None
+
+
+class AutoK:
+    """Per-position acceptance counts and the K they and `cost` favour."""
+
+    def __init__(self, cost: dict[str, Any], max_k: int = AUTO_MAX_K) -> None:
+        self.cost = cost
+        self.max_k = max_k
+        self.reached = [0] * max_k  # rounds that drafted position i after accepting 0..i-1
+        self.accepted = [0] * max_k  # ... and accepted it too
+
+    def record(self, k: int, accepted: int) -> None:
+        """One round: k drafts, the first `accepted` of them accepted."""
+        for i in range(min(accepted + 1, k, self.max_k)):
+            self.reached[i] += 1
+            if i < accepted:
+                self.accepted[i] += 1
+
+    def rates(self) -> list[float]:
+        """q_i: P(position i accepted | positions before it accepted), shrunk to the prior."""
+        return [(a + PRIOR_ACCEPT * PRIOR_ROUNDS) / (r + PRIOR_ROUNDS)
+                for a, r in zip(self.accepted, self.reached)]
+
+    def tau(self, k: int) -> float:
+        """Expected tokens per round with k drafts."""
+        total, p = 1.0, 1.0
+        for q in self.rates()[:k]:
+            p *= q
+            total += p
+        return total
+
+    def choose(self) -> int:
+        """The K in 1..max_k with the highest predicted speedup (ties: the smaller K)."""
+        best, best_speed = 1, -1.0
+        for k in range(1, self.max_k + 1):
+            speed = predicted_speedup(self.tau(k), k, self.cost)
+            if speed is not None and speed > best_speed + 1e-9:
+                best, best_speed = k, speed
+        return best

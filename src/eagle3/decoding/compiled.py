@@ -1,0 +1,116 @@
+"""`torch.compile`d decoding steps: the target's verify/decode forward and the draft step.
+
+On a small CPU eager PyTorch spends most of a decoding step dispatching ~50
+small ops per layer; inductor fuses the elementwise work into a few C++ loops
+and (with max-autotune) replaces MKL's small-M GEMMs by register-blocked
+kernels that read each weight once for all K+1 rows, so verifying K+1 tokens
+costs little more than decoding one.
+
+Shapes: the number of tokens T stays static (one graph per T: decode 1, verify
+K+1, draft step 1, draft rebuild K+1); the attended cache length is dynamic,
+carried by the length of `key_slots` (= arange(kv_len)), so a graph serves
+every position. The caches are read from the speculator, as in eager mode.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..targets.decoder import slots_upto
+
+if TYPE_CHECKING:
+    from ..speculator import Eagle3Speculator
+
+# One graph per (step, T, flags); the default limit of 8 would silently fall back to eager.
+RECOMPILE_LIMIT = 64
+
+
+class CompiledSteps:
+    """Compiled target and draft steps over `spec`'s caches."""
+
+    def __init__(self, spec: Eagle3Speculator, max_autotune: bool = True) -> None:
+        from ..errors import Eagle3Error
+        from ..targets.decoder import NativeTarget
+
+        if not isinstance(spec.target, NativeTarget):
+            raise Eagle3Error("compile needs the native backend (this target runs through "
+                              "transformers); load with backend='native' or drop compile")
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
+        if max_autotune:  # process-wide: inductor reads these when it compiles, not per function
+            cfg = torch._inductor.config
+            cfg.max_autotune, cfg.max_autotune_gemm_backends, cfg.freezing = True, "CPP,ATEN", True
+        self.spec = spec
+        self._target = torch.compile(self._target_step, fullgraph=True)
+        self._draft = torch.compile(self._draft_step, fullgraph=True)
+        self._chain = torch.compile(self._chain_steps, fullgraph=True)
+        self._rebuild_chain = torch.compile(self._rebuild_chain_steps, fullgraph=True)
+
+    # The functions inductor compiles: tensors in, tensors out, caches written in place.
+    def _target_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_slots: torch.Tensor,
+                     with_taps: bool, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        spec = self.spec
+        logits, taps = spec.target.forward_logits_taps(tokens, input_pos, spec.target_cache,
+                                                       key_slots=key_slots, last_only=last_only,
+                                                       with_taps=with_taps)
+        return logits.argmax(-1), spec._fuse(taps)
+
+    def _draft_step(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
+                    key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        draft = self.spec.draft
+        logits, h = draft(tokens, feature, input_pos, self.spec.draft_cache, key_slots=key_slots)
+        return draft.to_target_ids(logits.argmax(-1)), h
+
+    def _chain_steps(self, first: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
+                     key_slots: torch.Tensor) -> torch.Tensor:
+        """`first` (1, 1) plus one draft step per slot in `positions` (k-1,) -> drafts (1, k)."""
+        drafts = [first]
+        for i in range(positions.shape[0]):  # unrolled: k is static
+            ids, feature = self._draft_step(drafts[-1], feature, positions[i:i + 1], key_slots)
+            drafts.append(ids)
+        return torch.cat(drafts, dim=1)
+
+    def _rebuild_chain_steps(self, seed: torch.Tensor, seed_feature: torch.Tensor,
+                             seed_pos: torch.Tensor, used: torch.Tensor, positions: torch.Tensor,
+                             key_slots: torch.Tensor) -> torch.Tensor:
+        """Teacher-force seed (1, T) at `seed_pos`; the row `used` (1,) starts the chain."""
+        ids, h = self._draft_step(seed, seed_feature, seed_pos, key_slots)
+        return self._chain_steps(ids.index_select(1, used), h.index_select(1, used), positions,
+                                 key_slots)
+
+    def chain(self, first: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
+              kv_len: int) -> torch.Tensor:
+        return self._chain(_fresh(first), _fresh(feature), _fresh(positions),
+                           _dynamic_slots(kv_len, first.device))
+
+    def rebuild_chain(self, seed: torch.Tensor, seed_feature: torch.Tensor, seed_pos: torch.Tensor,
+                      used: int, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        return self._rebuild_chain(_fresh(seed), _fresh(seed_feature), _fresh(seed_pos),
+                                   torch.tensor([used], device=seed.device), _fresh(positions),
+                                   _dynamic_slots(kv_len, seed.device))
+
+    def target(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int, with_taps: bool,
+               last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._target(_fresh(tokens), _fresh(input_pos), _dynamic_slots(kv_len, tokens.device),
+                            with_taps, last_only)
+
+    def draft(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
+              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draft(_fresh(tokens), _fresh(feature), _fresh(input_pos),
+                           _dynamic_slots(kv_len, tokens.device))
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A dense copy: slices of one buffer differ in strides and offsets, and each difference
+    would fail a guard and compile the step again."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _dynamic_slots(kv_len: int, device: torch.device) -> torch.Tensor:
+    slots = slots_upto(kv_len, device)
+    torch._dynamo.maybe_mark_dynamic(slots, 0)
+    return slots

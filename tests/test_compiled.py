@@ -1,0 +1,110 @@
+"""`Eagle3Speculator.compile()`: the torch.compile'd steps are lossless and compile once per shape.
+
+The reference is eager plain greedy decoding (itself checked against
+transformers in test_targets.py). Compiling takes seconds per graph even for
+these tiny models, so the module shares one compiled speculator per case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.draft import attach_head, random_head
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+from heads import forced_head, make_bigram
+
+pytestmark = pytest.mark.slow
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
+                      num_attention_heads=4, head_dim=32)
+    make_bigram(m)
+    m.save_pretrained(str(root / "bigram"))
+    make_hf_model("gemma2", seed=1).save_pretrained(str(root / "gemma2"))
+    return {"bigram": str(root / "bigram"), "gemma2": str(root / "gemma2")}
+
+
+def prompts(n: int, seed: int, V: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def plain(target, prompt, n, stop=()):
+    return Eagle3Speculator(target).generate(prompt, n, stop_token_ids=list(stop)).token_ids
+
+
+@pytest.mark.parametrize("mode", ["full", "partial", "zero"])
+def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, mode)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    V = t.config.vocab_size
+    cases = [(p, n) for p in prompts(6, seed=3, V=V) for n in (1, 2, 7, MAX_LEN - len(p))]
+    for k in (1, 3):
+        accepted = drafted = rounds = 0
+        for p, n in cases:
+            want = plain(t, p, n, stop=())
+            r = spec.generate(p, n, num_draft_tokens=k, stop_token_ids=[])
+            assert r.token_ids == want, (k, p, n)
+            if len(p) + n + k <= MAX_LEN:  # away from the cache's end k stays fixed: one shape
+                assert r.stats["draft_tokens"] == k * r.stats["rounds"]
+            accepted, drafted = accepted + r.stats["accepted_tokens"], drafted + r.stats["draft_tokens"]
+            rounds += r.stats["rounds"]
+        # Each head's acceptance is built in (tests/heads.py), and observed exactly.
+        expect = {"full": drafted, "partial": rounds, "zero": 0}[mode]
+        assert drafted > 0 and accepted == expect, (k, accepted, drafted)
+    # Stop ids inside an accepted span end the output exactly where plain decoding does.
+    p = cases[0][0]
+    full = plain(t, p, 20)
+    stop = [full[5]]
+    assert spec.generate(p, 20, num_draft_tokens=3, stop_token_ids=stop).token_ids == plain(t, p, 20, stop)
+
+
+def test_one_graph_per_shape_not_per_position(dirs):
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, "partial")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    base = Eagle3Speculator(t).compile()
+    ps = prompts(8, seed=5, V=t.config.vocab_size)
+    for s, k in ((spec, 2), (base, None)):
+        s.generate(ps[0], 12, num_draft_tokens=k, stop_token_ids=[])  # compiles the shapes
+    graphs = counters["stats"]["unique_graphs"]
+    for p in ps[1:]:  # other prompt lengths and positions: no new graph (away from the cache end)
+        for s, k in ((spec, 2), (base, None)):
+            assert s.generate(p, 12, num_draft_tokens=k, stop_token_ids=[]).token_ids == plain(t, p, 12, ())
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_plain_decoding_matches_eager_on_gemma2(dirs):
+    """Soft-capped attention and sliding windows through the compiled decode step."""
+    t = load_target(dirs["gemma2"], max_seq_len=MAX_LEN)
+    spec = Eagle3Speculator(t).compile()
+    for p in prompts(3, seed=7, V=t.config.vocab_size):
+        assert spec.generate(p, 24, stop_token_ids=[]).token_ids == plain(t, p, 24)
+
+
+def test_compiled_random_head_on_gemma2_is_lossless(dirs):
+    t = load_target(dirs["gemma2"], max_seq_len=MAX_LEN)
+    head = random_head(t, taps=(1, 2, 3))
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    for p in prompts(3, seed=8, V=t.config.vocab_size):
+        assert spec.generate(p, 20, num_draft_tokens=2, stop_token_ids=[]).token_ids == plain(t, p, 20)
+
+
+def test_compile_needs_the_native_backend(dirs):
+    spec = eagle3.load(dirs["bigram"], draft="none", backend="hf")
+    with pytest.raises(eagle3.Eagle3Error, match="native backend"):
+        spec.compile()
