@@ -175,7 +175,7 @@ def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
         assert prof.prefill_seconds > 0 and prof.verify_seconds > 0
     # Off (the default), nothing is recorded and the stats keep their contract keys.
     r = spec.generate(PROMPTS[0], N, num_draft_tokens=3)
-    assert set(r.stats) == set(empty_stats()) | {"drafted_per_position"}
+    assert set(r.stats) == set(empty_stats()) | {"drafted_per_position", "num_draft_tokens"}
 
 
 # -- the command line ------------------------------------------------------------------------------

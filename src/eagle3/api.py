@@ -13,13 +13,16 @@ from .tokenizer import load_tokenizer
 
 
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
-         backend: str = "auto", max_seq_len: int | None = None, taps=None) -> Eagle3Speculator:
+         backend: str = "auto", max_seq_len: int | None = None, taps=None,
+         compile: bool = False) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
     draft: a head directory; None (the default head for 'default', else no
     speculation); or 'none' (plain decoding). backend: 'auto' | 'native' | 'hf'.
     taps: target layers feeding the head (default: the head config's ids, else
-    (2, L//2, L-3)); tap k = hidden state entering layer k.
+    (2, L//2, L-3)); tap k = hidden state entering layer k. compile: run the
+    decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
+    native backend only).
     """
     from .default import default_head_dir, default_target_dir
     from .draft import attach_head, load_head
@@ -43,4 +46,5 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
         attach_head(head, tgt, where=f"head {draft}", taps=taps)
     tdir = default_target_dir() if target == "default" else target
-    return Eagle3Speculator(tgt, head, load_tokenizer(tdir))
+    spec = Eagle3Speculator(tgt, head, load_tokenizer(tdir))
+    return spec.compile() if compile else spec

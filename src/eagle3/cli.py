@@ -18,6 +18,15 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
+def _num_draft_tokens(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default",
                    help="target checkpoint directory (Hugging Face layout) or 'default' (the "
@@ -34,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import eagle3
 
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len, taps=args.taps)
+                       max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile)
     tok = spec.tokenizer
     if args.prompt_ids is not None:
         if args.prompt is not None:
@@ -63,6 +72,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         line = (f"eagle3: {n} new tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s), "
                 f"{stats['target_forwards']} target forwards, tau {stats['mean_accept_len']:.2f}")
+        if stats.get("num_draft_tokens") is not None:
+            line += f", K {stats['num_draft_tokens']}" + (" (auto)" if args.num_draft_tokens in
+                                                         (None, "auto") else "")
         if args.compare:
             line += (f"; plain decoding {stats['plain_tokens_per_s']:.1f} tok/s -> speedup "
                      f"{stats['speedup']:.2f}x, outputs identical: {stats['outputs_identical']}")
@@ -77,6 +89,8 @@ def _compare_plain(spec, ids, args, result, stats: dict) -> None:
     from .speculator import Eagle3Speculator
 
     plain = Eagle3Speculator(spec.target, None, spec.tokenizer)
+    if spec.compiled is not None:  # like for like
+        plain.compile()
     kw = dict(stop_token_ids=args.stop_ids)
     spec_times, plain_times, same = [], [], True
     for _ in range(3):  # the first timed call above was cold; these are warm
@@ -158,8 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target layers feeding the head (default: the head config's ids, else "
                         "2,L//2,L-3); tap k = hidden state entering layer k")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    g.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens per round (chain drafting)")
+    g.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None, metavar="K|auto",
+                   help="draft tokens per round (chain drafting); auto (default) picks K from the "
+                        "measured cost model and the acceptance seen so far")
+    g.add_argument("--compile", action="store_true",
+                   help="run the decode/verify/draft steps through torch.compile (faster steps; "
+                        "compiling takes a minute or more the first time, then is cached on disk)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--tree", action="store_true", help="dynamic tree drafting")
     shape.add_argument("--chain", action="store_true", help="chain drafting (default)")

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from .decoding.autok import AUTO_MAX_K, AutoK, measure_cost
 from .decoding.chain import chain_generate
 from .decoding.plain import plain_greedy
 from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget
 
-DEFAULT_NUM_DRAFT_TOKENS = 4
 MAX_NUM_DRAFT_TOKENS = 32
 
 
@@ -67,11 +67,13 @@ def check_request(prompt_ids: Any, max_new_tokens: Any, vocab_size: int, max_len
     return ids
 
 
-def check_num_draft_tokens(k: Any) -> int:
-    if k is None:
-        return DEFAULT_NUM_DRAFT_TOKENS
+def check_num_draft_tokens(k: Any) -> int | None:
+    """An int K in 1..MAX_NUM_DRAFT_TOKENS, or None for automatic ('auto' or None)."""
+    if k is None or k == "auto":
+        return None
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
-        raise Eagle3Error(f"num_draft_tokens must be an integer in 1..{MAX_NUM_DRAFT_TOKENS}, got {k!r}")
+        raise Eagle3Error(f"num_draft_tokens must be 'auto' or an integer in 1..{MAX_NUM_DRAFT_TOKENS}, "
+                          f"got {k!r}")
     return k
 
 
@@ -92,6 +94,7 @@ class Eagle3Speculator:
         self.draft_cache: Any = None
         self._warned_low_acceptance = False
         self.compiled: Any = None  # set by compile()
+        self.auto: AutoK | None = None  # acceptance counts + cost model, for num_draft_tokens='auto'
 
     @property
     def max_seq_len(self) -> int:
@@ -194,7 +197,9 @@ class Eagle3Speculator:
 
         Greedy: token-identical to plain decoding with the target alone. Stops
         after the first token in `stop_token_ids` (default: the target's EOS
-        ids; `[]` never stops). `num_draft_tokens` = K for chain drafting.
+        ids; `[]` never stops). `num_draft_tokens` = K for chain drafting;
+        None or 'auto' picks K (1..8) from the measured cost model and the
+        acceptance seen so far, again every few rounds (`decoding.autok`).
         """
         cfg = self.target.config
         ids = check_request(prompt_ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
@@ -216,7 +221,10 @@ class Eagle3Speculator:
             tokens, stats["target_forwards"] = plain_greedy(self.target, ids, max_new_tokens, stop,
                                                             cache=self.target_cache, step=step)
         else:
-            tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats)
+            if k is None and self.auto is None:  # first automatic choice: measure the costs once
+                self.auto = AutoK(measure_cost(self, ids, list(range(2, AUTO_MAX_K + 2)), repeats=5,
+                                               compiled=False))
+            tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats, self.auto)
             if stats["rounds"]:
                 stats["mean_accept_len"] = 1.0 + stats["accepted_tokens"] / stats["rounds"]
             self._check_acceptance(stats)

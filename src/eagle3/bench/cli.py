@@ -53,8 +53,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "per line); default: models/default/prompts.jsonl for --target default when "
                         "it exists, else a few built-in code prompts")
     b.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
-    b.add_argument("--num-draft-tokens", default="1,2,3,4,5,6,7,8", metavar="1,2,...,8",
-                   help="the K values to measure (default 1..8)")
+    b.add_argument("--num-draft-tokens", default="auto,1,2,3,4,5,6,7,8", metavar="auto,1,...,8",
+                   help="the K values to measure, 'auto' for the automatic choice (default auto,1..8)")
+    b.add_argument("--compile", action="store_true",
+                   help="run our engine's decode/verify/draft steps through torch.compile (compiles "
+                        "each step shape once: minutes on a small CPU the first time, cached on disk)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
     b.add_argument("--peers", default=None, metavar="hf,lookup,assisted",
                    help="transformers peers: hf (greedy generate), lookup (prompt lookup), assisted "
@@ -71,18 +74,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return b
 
 
-def parse_ks(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, unique), each in 1..MAX_NUM_DRAFT_TOKENS."""
+def parse_ks(text: str) -> tuple[list[int], bool]:
+    """'auto,1,2,4' -> ([1, 2, 4], True): the K values (sorted, unique, each in
+    1..MAX_NUM_DRAFT_TOKENS) and whether to add the automatic row."""
     from ..speculator import MAX_NUM_DRAFT_TOKENS
 
+    words = [t.strip() for t in text.split(",") if t.strip()]
+    auto = "auto" in words
     try:
-        ks = sorted({int(t) for t in text.split(",") if t.strip()})
+        ks = sorted({int(t) for t in words if t != "auto"})
     except ValueError:
-        ks = []
-    if not ks or not all(1 <= k <= MAX_NUM_DRAFT_TOKENS for k in ks):
+        ks = [0]
+    if not (ks or auto) or not all(1 <= k <= MAX_NUM_DRAFT_TOKENS for k in ks):
         raise Eagle3Error(f"--num-draft-tokens must be comma-separated integers in 1..{MAX_NUM_DRAFT_TOKENS} "
-                          f"(e.g. 1,2,4,8), got '{text}'")
-    return ks
+                          f"and/or 'auto' (e.g. auto,1,2,4,8), got '{text}'")
+    return ks, auto
 
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
@@ -163,7 +169,7 @@ def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; print the Markdown table; write --json / --plots."""
     notes: list[str] = []
-    ks = parse_ks(args.num_draft_tokens)
+    ks, auto = parse_ks(args.num_draft_tokens)
     peer_names = parse_peers(args.peers, args.assistant, notes)
     if args.repeats < 1:
         raise Eagle3Error(f"--repeats must be >= 1, got {args.repeats}")
@@ -193,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len, taps=args.taps)
+                       max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile)
     if spec.draft is None:
         notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
@@ -209,8 +215,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         notice(note)
     report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       peers=arms, progress=sys.stderr.isatty())
+                       peers=arms, auto=auto, progress=sys.stderr.isatty())
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
+                              compiled=args.compile,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
                               device=str(spec.target.embedding_weight.device))
     report["notes"] = notes

@@ -124,9 +124,11 @@ def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dic
 
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
-              repeats: int, peers: dict[str, Arm] | None = None,
+              repeats: int, peers: dict[str, Arm] | None = None, auto: bool = False,
               progress: bool = False) -> dict[str, Any]:
     """Plain decoding vs EAGLE-3 chain for each K (and `peers`), interleaved; returns the report.
+
+    `auto` adds a row for num_draft_tokens='auto' (its `chosen_k`: the K it chose last).
 
     The report's top-level DESIGN §4 keys describe the fastest K (`best_k`);
     `outputs_identical` there is True only if every row of ours matched plain.
@@ -135,21 +137,24 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
 
     plain_spec = Eagle3Speculator(spec.target, None, spec.tokenizer)
     arms: dict[str, Arm] = {PLAIN: engine_arm(plain_spec, max_new_tokens)}
+    chosen = [k for k in ks] + (["auto"] if auto else [])
     if spec.draft is not None:
-        arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in ks})
+        arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in chosen})
     arms.update(peers or {})
     samples = interleave(arms, prompts, repeats, progress=progress)
     plain = samples[PLAIN]
     rows = []
-    for name, k in [(PLAIN, None)] + [(f"K={k}", k) for k in ks if f"K={k}" in samples]:
+    for name, k in [(PLAIN, None)] + [(f"K={k}", k) for k in chosen if f"K={k}" in samples]:
         rows.append({"arm": "plain" if k is None else "eagle3", "k": k,
                      **summarize(samples[name], plain)})
+        if k == "auto":
+            rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
     base = rows[0]["tokens_per_s"]
     cost = cost_model(spec, prompts[0], ks, max(10, 3 * repeats)) if spec.draft is not None else None
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base
         row["predicted_speedup"] = (predicted_speedup(row["mean_accept_len"], row["k"], cost)
-                                    if row["k"] else None)
+                                    if isinstance(row["k"], int) else None)
     peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
     for row in peer_rows.values():
         row["speedup"] = row["tokens_per_s"] / base
@@ -166,6 +171,6 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         "best_k": best["k"] if best else None,
         "rows": rows, "peers": peer_rows, "cost_model": cost,
         "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
-                     "num_draft_tokens": ks if spec.draft is not None else [],
+                     "num_draft_tokens": chosen if spec.draft is not None else [],
                      "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads()},
     }

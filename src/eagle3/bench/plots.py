@@ -21,7 +21,7 @@ def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure
 
     os.makedirs(out_dir, exist_ok=True)
-    rows = [r for r in report["rows"] if r["k"] is not None]
+    rows = [r for r in report["rows"] if isinstance(r["k"], int)]
     paths = []
 
     def save(fig: Figure, name: str) -> None:

@@ -31,7 +31,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table plus two summary lines."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in report["rows"]:
-        name = "plain (eagle3)" if r["k"] is None else f"EAGLE-3 K={r['k']}"
+        name = ("plain (eagle3)" if r["k"] is None else f"EAGLE-3 K=auto ({r['chosen_k']} last)"
+                if r["k"] == "auto" else f"EAGLE-3 K={r['k']}")
         lines.append("| " + " | ".join(_row(name, r)) + " |")
     for peer, r in report["peers"].items():
         lines.append("| " + " | ".join(_row(PEER_NAMES.get(peer, peer), r)) + " |")

@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..targets.decoder import slots_upto
+from .autok import REPICK_EVERY
 from .profile import active
 
 if TYPE_CHECKING:
     from ..speculator import Eagle3Speculator
+    from .autok import AutoK
 
 
 def granted_drafts(k: int, cur_len: int, max_len: int) -> int:
@@ -115,9 +117,19 @@ class ChainDrafter:
 
 
 @torch.no_grad()
-def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens: int, k_max: int,
-                   stop_ids: frozenset[int], stats: dict) -> list[int]:
-    """Speculative greedy decoding with chain drafts of up to `k_max` tokens; fills `stats`."""
+def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens: int,
+                   k_max: int | None, stop_ids: frozenset[int], stats: dict,
+                   auto: AutoK | None = None) -> list[int]:
+    """Speculative greedy decoding with chain drafts of up to `k_max` tokens; fills `stats`.
+
+    k_max None: `auto` picks K at the start and every `REPICK_EVERY` rounds. `auto`
+    (when given) records every round's acceptance either way.
+    """
+    k_choice, automatic = k_max, k_max is None
+    if automatic:
+        assert auto is not None, "automatic K needs an AutoK"
+        k_max, k_choice = auto.max_k, auto.choose()
+    stats["num_draft_tokens"] = k_choice
     n = len(prompt_ids)
     max_len = spec.max_seq_len
     pos = slots_upto(max_len)
@@ -133,7 +145,7 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     fixed_shapes = spec.compiled is not None
 
     def granted(cur: int, emitted: int) -> int:
-        k = granted_drafts(k_max, cur, max_len)
+        k = granted_drafts(k_choice, cur, max_len)
         return k if fixed_shapes else min(k, max_new_tokens - emitted - 1)
 
     prof.tic()
@@ -171,6 +183,10 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
                 per_pos[i] += 1
             for i in range(k):
                 drafted[i] += 1
+            if auto is not None:
+                auto.record(k, a)
+                if automatic and stats["rounds"] % REPICK_EVERY == 0:
+                    k_choice = stats["num_draft_tokens"] = auto.choose()
         for t in d[:a] + [v[a]]:
             out.append(t)
             if t in stop_ids or len(out) == max_new_tokens:
