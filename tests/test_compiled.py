@@ -104,7 +104,15 @@ def test_compiled_random_head_on_gemma2_is_lossless(dirs):
         assert spec.generate(p, 20, num_draft_tokens=2, stop_token_ids=[]).token_ids == plain(t, p, 20)
 
 
-def test_compile_needs_the_native_backend(dirs):
+def test_compile_needs_the_native_backend(dirs, capsys):
+    assert eagle3.load(dirs["bigram"], draft="none", compile=True).compiled is not None
     spec = eagle3.load(dirs["bigram"], draft="none", backend="hf")
     with pytest.raises(eagle3.Eagle3Error, match="native backend"):
         spec.compile()
+    from eagle3.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", "--target", dirs["bigram"], "--draft", "none", "--backend", "hf",
+                 "--prompt-ids", "1,2", "--compile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("eagle3: error:") and "native backend" in err and "\n" not in err

@@ -31,6 +31,9 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")
+    if compile and backend == "hf":
+        raise Eagle3Error("compile needs the native backend (backend='hf' runs the target through "
+                          "transformers); use backend='native' or 'auto', or drop compile")
     if draft is None and target == "default":
         draft = default_head_dir()
     head = None

@@ -136,6 +136,8 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     from ..speculator import Eagle3Speculator
 
     plain_spec = Eagle3Speculator(spec.target, None, spec.tokenizer)
+    if spec.compiled is not None:  # like for like: plain decoding gets compiled steps too
+        plain_spec.compile()
     arms: dict[str, Arm] = {PLAIN: engine_arm(plain_spec, max_new_tokens)}
     chosen = [k for k in ks] + (["auto"] if auto else [])
     if spec.draft is not None:

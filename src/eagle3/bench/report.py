@@ -40,7 +40,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"{s['prompts']} prompts x {s['repeats']} interleaved repetitions, up to "
               f"{s['max_new_tokens']} new tokens; medians over repetitions; per round = per target "
               "forward after the prefill (syncs/rd counts the prefill's sync too); accept per position "
-              "= accepted there / rounds that drafted there."]
+              "= accepted there / rounds that drafted there; our engine "
+              f"{'compiled (--compile)' if s.get('compiled') else 'eager'}, "
+              f"{s.get('torch_threads', '?')} threads."]
     if report["best_k"] is not None:
         lines.append(f"Best K={report['best_k']}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "
                      f"{report['baseline_tokens_per_s']:.1f}, speedup {report['speedup']:.2f}x, "

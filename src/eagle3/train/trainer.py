@@ -196,7 +196,7 @@ def train_draft(args: TrainArgs) -> dict:
     out = Path(args.out)
     try:
         (out / "data").mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{rank}"  # per rank: ranks probe at the same time
         probe.write_text("")
         probe.unlink()
     except OSError as e:

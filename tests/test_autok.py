@@ -1,0 +1,148 @@
+"""num_draft_tokens='auto': acceptance accounting, tau, the choice of K, and losslessness.
+
+The cost model is injected where a test asserts which K is chosen (timings are
+machine noise); the measured one is only checked for its structure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.bench.cli import parse_ks
+from eagle3.bench.harness import run_bench
+from eagle3.bench.report import markdown
+from eagle3.decoding.autok import AUTO_MAX_K, PRIOR_ACCEPT, AutoK, predicted_speedup
+from eagle3.draft import attach_head
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+from heads import forced_head, make_bigram
+
+PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
+
+
+def flat_cost(ratio: float = 1.0, draft: float = 0.1, ks=range(1, AUTO_MAX_K + 1)) -> dict:
+    return {"verify_cost_ratio": {str(k + 1): ratio for k in ks}, "draft_step_over_target_forward": draft}
+
+
+def test_record_counts_reached_and_accepted_positions():
+    auto = AutoK(flat_cost(), max_k=4)
+    auto.record(4, 2)  # positions 0, 1 accepted; 2 reached and rejected; 3 never reached
+    auto.record(2, 2)  # all accepted; nothing drafted past position 1
+    auto.record(3, 0)
+    assert auto.reached == [3, 2, 1, 0]
+    assert auto.accepted == [2, 2, 0, 0]
+
+
+def test_rates_shrink_to_the_prior_and_follow_the_data():
+    auto = AutoK(flat_cost(), max_k=3)
+    assert auto.rates() == [PRIOR_ACCEPT] * 3
+    for _ in range(10_000):
+        auto.record(3, 1)  # position 0 always accepted, position 1 never
+    q = auto.rates()
+    assert q[0] == pytest.approx(1.0, abs=1e-3) and q[1] == pytest.approx(0.0, abs=1e-3)
+    assert q[2] == PRIOR_ACCEPT  # never reached
+
+
+def test_tau_is_the_expected_accepted_length_plus_one():
+    auto = AutoK(flat_cost(), max_k=5)
+    for k, a in [(5, 5), (5, 3), (4, 1), (5, 0), (2, 2), (5, 4), (3, 2)]:
+        auto.record(k, a)
+    q = auto.rates()
+    for k in range(1, 6):
+        # Independently: P(a = j) = q_0..q_{j-1} * (1 - q_j) for j < k, P(a = k) = q_0..q_{k-1}.
+        dist = [math.prod(q[:j]) * (1 - q[j]) for j in range(k)] + [math.prod(q[:k])]
+        assert sum(dist) == pytest.approx(1.0)
+        assert auto.tau(k) == pytest.approx(1 + sum(j * p for j, p in enumerate(dist)))
+
+
+@pytest.mark.parametrize("ratio,draft,rounds,expect", [
+    (1.0, 0.01, [(8, 8)] * 50, 8),  # every draft accepted, drafting nearly free: the longest chain
+    (1.0, 0.1, [(8, 0)] * 50, 1),  # nothing accepted: the shortest chain
+    (1.0, 2.0, [(8, 8)] * 50, 1),  # a draft step dearer than a target forward never pays
+])
+def test_choose_is_the_argmax_of_the_predicted_speedup(ratio, draft, rounds, expect):
+    auto = AutoK(flat_cost(ratio, draft))
+    for k, a in rounds:
+        auto.record(k, a)
+    assert auto.choose() == expect
+    best = max(range(1, AUTO_MAX_K + 1), key=lambda k: predicted_speedup(auto.tau(k), k, auto.cost))
+    assert auto.choose() == best
+
+
+def test_choose_skips_unmeasured_sizes():
+    auto = AutoK(flat_cost(ks=[1, 2]))  # e.g. a prompt too close to the cache's end to time more
+    for _ in range(50):
+        auto.record(8, 8)
+    assert auto.choose() == 2
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("autok") / "bigram")
+    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
+                      num_attention_heads=4, head_dim=32)
+    make_bigram(m)
+    m.save_pretrained(d)
+    return d
+
+
+def plain(t, prompt, n):
+    return Eagle3Speculator(t).generate(prompt, n, stop_token_ids=[]).token_ids
+
+
+@pytest.mark.parametrize("mode,expect", [("full", AUTO_MAX_K), ("zero", 1)])
+def test_auto_is_lossless_and_settles_on_the_right_k(target, mode, expect):
+    t = load_target(target)
+    head = forced_head(t, mode)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    spec.auto = AutoK(flat_cost(1.0, 0.05))  # injected: the choice then depends on acceptance only
+    chosen = []
+    for p, n in itertools.product(PROMPTS, (5, 40)):
+        r = spec.generate(p, n, stop_token_ids=[])  # num_draft_tokens=None: auto
+        assert r.token_ids == plain(t, p, n)
+        chosen.append(r.stats["num_draft_tokens"])
+    assert chosen[-1] == expect
+    if mode == "zero":  # the prior's first choice was longer, then the data pulled K down mid-run
+        assert chosen[0] > 1
+
+
+def test_first_auto_generation_measures_the_cost_model(target):
+    t = load_target(target)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    assert spec.auto is None
+    r = spec.generate(PROMPTS[0], 12, num_draft_tokens="auto", stop_token_ids=[])
+    assert r.token_ids == plain(t, PROMPTS[0], 12)
+    cost = spec.auto.cost
+    assert set(cost["verify_cost_ratio"]) == {str(m) for m in range(2, AUTO_MAX_K + 2)}
+    assert cost["draft_step_over_target_forward"] > 0
+    assert spec.auto.reached[0] == r.stats["rounds"] > 0  # every round was recorded
+    # An explicit K keeps its K and still feeds the counts.
+    before = spec.auto.reached[0]
+    r = spec.generate(PROMPTS[1], 12, num_draft_tokens=3, stop_token_ids=[])
+    assert r.stats["num_draft_tokens"] == 3 and spec.auto.reached[0] == before + r.stats["rounds"]
+    with pytest.raises(eagle3.Eagle3Error, match="'auto' or an integer"):
+        spec.generate(PROMPTS[0], 4, num_draft_tokens="fast")
+
+
+def test_bench_auto_row(target):
+    t = load_target(target)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    report = run_bench(spec, PROMPTS, ks=[2], max_new_tokens=12, repeats=1, auto=True)
+    rows = {r["k"]: r for r in report["rows"]}
+    assert set(rows) == {None, 2, "auto"} and report["outputs_identical"] is True
+    assert isinstance(rows["auto"]["chosen_k"], int) and rows["auto"]["predicted_speedup"] is None
+    assert f"K=auto ({rows['auto']['chosen_k']} last)" in markdown(report)
+    assert parse_ks("auto,4,2") == ([2, 4], True) and parse_ks("3") == ([3], False)
+    assert parse_ks("auto") == ([], True)
+    with pytest.raises(eagle3.Eagle3Error, match="num-draft-tokens"):
+        parse_ks("auto,0")
