@@ -7,12 +7,15 @@ these tiny models, so the module shares one compiled speculator per case.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import eagle3
 from conftest import make_hf_model
+from eagle3.decoding.autok import AutoK
 from eagle3.draft import attach_head, random_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
@@ -20,6 +23,8 @@ from heads import forced_head, make_bigram
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 48
+STAT_KEYS = ("rounds", "draft_tokens", "accepted_tokens", "accepted_per_position",
+             "drafted_per_position", "accept_len_hist", "target_forwards")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
     t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
     head = forced_head(t, mode)
     attach_head(head, t)
-    spec = Eagle3Speculator(t, head).compile()
+    spec, eager = Eagle3Speculator(t, head).compile(), Eagle3Speculator(t, head)
     V = t.config.vocab_size
     cases = [(p, n) for p in prompts(6, seed=3, V=V) for n in (1, 2, 7, MAX_LEN - len(p))]
     for k in (1, 3):
@@ -57,8 +62,8 @@ def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
             want = plain(t, p, n, stop=())
             r = spec.generate(p, n, num_draft_tokens=k, stop_token_ids=[])
             assert r.token_ids == want, (k, p, n)
-            if len(p) + n + k <= MAX_LEN:  # away from the cache's end k stays fixed: one shape
-                assert r.stats["draft_tokens"] == k * r.stats["rounds"]
+            e = eager.generate(p, n, num_draft_tokens=k, stop_token_ids=[]).stats
+            assert all(r.stats[key] == e[key] for key in STAT_KEYS), (k, p, n)
             accepted, drafted = accepted + r.stats["accepted_tokens"], drafted + r.stats["draft_tokens"]
             rounds += r.stats["rounds"]
         # Each head's acceptance is built in (tests/heads.py), and observed exactly.
@@ -116,3 +121,35 @@ def test_compile_needs_the_native_backend(dirs, capsys):
                  "--prompt-ids", "1,2", "--compile"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("eagle3: error:") and "native backend" in err and "\n" not in err
+
+
+def test_compiled_auto_k_rising_and_falling_mid_generation(dirs, monkeypatch):
+    """K changes every 8 rounds (forced through 2, 5, 1, 4, 3): rebuild rows stay fixed at 9."""
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    spec.auto = AutoK({"verify_cost_ratio": {str(m): 1.0 for m in range(2, 10)},
+                       "draft_step_over_target_forward": 0.1})
+    choices = itertools.cycle([2, 5, 1, 4, 3])
+    monkeypatch.setattr(spec.auto, "choose", lambda: next(choices))
+    seen = set()
+    for p in prompts(3, seed=9, V=t.config.vocab_size):
+        n = MAX_LEN - len(p)  # to the cache's end
+        r = spec.generate(p, n, stop_token_ids=[])
+        assert r.token_ids == plain(t, p, n)
+        seen.add(r.stats["num_draft_tokens"])
+    assert len(seen) > 1
+
+
+def test_compiled_stats_count_only_emittable_drafts(dirs):
+    """Fixed shapes draft the full K in the last round; the stats match eager decoding's."""
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    eager, compiled = Eagle3Speculator(t, head), Eagle3Speculator(t, head).compile()
+    p = prompts(1, seed=10, V=t.config.vocab_size)[0]
+    for n in (2, 3, 7):
+        a = eager.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
+        b = compiled.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
+        assert {k: a[k] for k in STAT_KEYS} == {k: b[k] for k in STAT_KEYS}, n

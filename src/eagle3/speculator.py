@@ -6,7 +6,7 @@ KV caches as state (batch dimension kept):
     prefill(tokens, input_pos)               -> (token (B,), feature (B, T, H))
     target_verify(tokens, input_pos)         -> (verify_ids (B, T), feature (B, T, H))
     draft_decode(tokens, feature, input_pos) -> (target_ids (B, T), next_feature (B, T, H))
-    decode(tokens, input_pos)                -> (token (B,), feature (B, 1, H))   (eager only)
+    decode(tokens, input_pos)                -> (token (B,), feature (B, 1, H))
 
 Features are the fused H-wide draft features `fc(taps)`. The optional
 `kv_len` (a Python int) bounds attention to the live slots, an eager speed-up;
@@ -141,7 +141,7 @@ class Eagle3Speculator:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One plain target step (eager only): next greedy token (B,) and its feature."""
+        """One plain target step: next greedy token (B,) and its feature (None without a head)."""
         self._caches()
         ids, feature = self._target(tokens, input_pos, kv_len, with_taps=self.draft is not None)
         return ids[:, -1], feature
@@ -172,17 +172,18 @@ class Eagle3Speculator:
         logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
         return self.draft.to_target_ids(logits.argmax(-1)), h
 
-    def compile(self, max_autotune: bool = False) -> Eagle3Speculator:
+    def compile(self) -> Eagle3Speculator:
         """Run verify / decode / draft steps through `torch.compile` (native targets only).
 
-        Each distinct step shape compiles once (tens of seconds on a small CPU;
-        inductor caches the result on disk for later processes); the prompt's
-        prefill stays eager. `max_autotune` lets inductor pick its own small-M
-        GEMM kernels, which make a K+1-token verify cost little more than one token.
+        Each distinct step shape compiles once (seconds to tens of seconds on a
+        small CPU; inductor caches kernels on disk for later processes); the
+        prompt's prefill stays eager. Forgets the automatic-K cost model, which
+        is then measured again on the compiled steps.
         """
         from .decoding.compiled import CompiledSteps
 
-        self.compiled = CompiledSteps(self, max_autotune)
+        self.compiled = CompiledSteps(self)
+        self.auto = None
         return self
 
     def _fuse(self, taps: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,8 +223,8 @@ class Eagle3Speculator:
                                                             cache=self.target_cache, step=step)
         else:
             if k is None and self.auto is None:  # first automatic choice: measure the costs once
-                self.auto = AutoK(measure_cost(self, ids, list(range(2, AUTO_MAX_K + 2)), repeats=5,
-                                               compiled=False))
+                probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
+                self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)), repeats=5))
             tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats, self.auto)
             if stats["rounds"]:
                 stats["mean_accept_len"] = 1.0 + stats["accepted_tokens"] / stats["rounds"]

@@ -160,7 +160,7 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
     for row in peer_rows.values():
         row["speedup"] = row["tokens_per_s"] / base
-    eagle = [r for r in rows if r["k"] is not None]
+    eagle = [r for r in rows if isinstance(r["k"], int)]  # the fixed K's; auto is a row of its own
     best = max(eagle, key=lambda r: r["tokens_per_s"]) if eagle else None
     return {
         "baseline_tokens_per_s": base,

@@ -5,11 +5,12 @@ draft forwards, and yields tau(K) tokens on average, so against plain decoding
 
     speedup(K) = tau(K) / (cost(K+1)/cost(1) + K * draft/target)
 
-`measure_cost` times those forwards on this machine (`eagle3 bench` reports the
-same numbers). tau(K) = 1 + sum_j prod_{i<j} q_i, where q_i is the acceptance
-rate of draft position i given that the earlier ones were accepted: counted
-per round by `AutoK.record`, pooled over the speculator's generations, and
-shrunk towards a prior (0.8, typical of EAGLE-3 heads) where there is little data.
+`measure_cost` times those forwards on this machine, through the compiled steps
+when the speculator is compiled (`eagle3 bench` reports the same numbers).
+tau(K) = 1 + sum_j prod_{i<j} q_i, where q_i is the acceptance rate of draft
+position i given that the earlier ones were accepted: counted per round by
+`AutoK.record` over the speculator's automatic generations, and shrunk towards
+a prior (0.8, typical of EAGLE-3 heads) where there is little data.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ if TYPE_CHECKING:
 AUTO_MAX_K = 8
 PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0
 REPICK_EVERY = 8  # rounds between choices within one generation
+DRAFT_PROBE_STEPS = 4  # the draft cost is timed over a chain of this many steps
 
 
 @torch.no_grad()
 def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], repeats: int, *,
                  compiled: bool = True) -> dict[str, Any]:
     """cost(T)/cost(1) of a target forward over T tokens (T in `sizes`) on a cache holding
-    `prompt`, and draft step / target forward (one token each): medians of interleaved
-    timings, through the compiled steps when the speculator has them and `compiled`."""
+    `prompt`, and draft step / target forward (a draft step timed as 1/4 of a 4-step
+    chain, as rounds run them): medians of interleaved timings, through the compiled
+    steps when the speculator has them and `compiled`."""
     n = len(prompt)
     sizes = [m for m in sorted({1, *sizes}) if n + m <= spec.max_seq_len]
     pos = slots_upto(spec.max_seq_len)
@@ -54,9 +57,9 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], re
             times[m].append(time.perf_counter() - t0)
             spec.target.truncate_cache(spec.target_cache, n)
         t0 = time.perf_counter()
-        ids, _ = spec._draft(d_ids[:, -1:], h[:, -1:], pos[n:n + 1], n + 1, compiled=compiled)
+        ids = _draft_steps(spec, d_ids[:, -1:], h[:, -1:], n, DRAFT_PROBE_STEPS, compiled)
         sync(ids)
-        draft_times.append(time.perf_counter() - t0)
+        draft_times.append((time.perf_counter() - t0) / DRAFT_PROBE_STEPS)
         spec.draft_cache.truncate(n)
     spec.reset_caches()
     med = {m: statistics.median(t) for m, t in times.items()}
@@ -64,6 +67,18 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], re
     return {"cache_len": n, "target_forward_ms": med[1] * 1e3,
             "verify_cost_ratio": {str(m): med[m] / med[1] for m in sizes if m > 1},
             "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
+
+
+def _draft_steps(spec: Eagle3Speculator, tok: torch.Tensor, feature: torch.Tensor, n: int, steps: int,
+                 compiled: bool) -> torch.Tensor:
+    """`steps` chained draft steps after slot n-1, as the chain runner runs them."""
+    pos = slots_upto(n + steps)
+    if compiled and spec.compiled is not None:  # one fused graph, as in a round
+        spec.draft_cache.claim(n, steps)
+        return spec.compiled.chain(tok, feature, pos[n:n + steps], n + steps)
+    for i in range(steps):
+        tok, feature = spec._draft(tok, feature, pos[n + i:n + i + 1], n + i + 1, compiled=False)
+    return tok
 
 
 def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:

@@ -76,6 +76,8 @@ class ChainDrafter:
         p = self.length
         compiled = self.spec.compiled
         if compiled is not None:
+            if k == 1:
+                return first
             self.spec.draft_cache.claim(p, k - 1)
             return compiled.chain(first, feature, self.pos[p:p + k - 1], p + k - 1)
         drafts = [first]
@@ -92,20 +94,24 @@ class ChainDrafter:
         return drafts
 
     def chain_after_verify(self, drafts: torch.Tensor, a: int, anchor: torch.Tensor,
-                           vfeat: torch.Tensor, start: int, k: int) -> torch.Tensor:
+                           vfeat: torch.Tensor, start: int, k: int,
+                           rows: int | None = None) -> torch.Tensor:
         """rebuild_after_verify over [d1..da, anchor] at `start`, then chain_round of k drafts.
 
-        Compiled, the rebuild keeps the verify's shape (k_prev + 1 rows: the tokens after
-        the anchor are padding whose slots lie past the committed length, so causal
-        attention never reads them and the chain's steps overwrite them).
+        Compiled, the rebuild runs over a fixed number of `rows` (default: the verify's
+        k_prev + 1): the rows after the anchor are padding whose slots lie past the
+        committed length, so causal attention never reads them and the chain's steps
+        overwrite them.
         """
         compiled = self.spec.compiled
         if compiled is None:
             first, boundary = self.rebuild_after_verify(torch.cat([drafts[:, :a], anchor], dim=1),
                                                         vfeat[:, :a + 1], start)
             return self.chain_round(first, boundary, k)
-        T = vfeat.shape[1]
+        T = min(rows or vfeat.shape[1], self.spec.draft_cache.max_len - start)  # fewer at the end
         seed = torch.cat([drafts[:, :a], anchor.expand(1, T - a)], dim=1)  # (1, T)
+        if vfeat.shape[1] < T:
+            vfeat = torch.cat([vfeat, vfeat[:, -1:].expand(1, T - vfeat.shape[1], -1)], dim=1)
         p = start + a + 1  # the first chain step's slot
         kv_len = max(start + T, p + k - 1)
         self.spec.draft_cache.claim(start, kv_len - start)
@@ -122,8 +128,8 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
                    auto: AutoK | None = None) -> list[int]:
     """Speculative greedy decoding with chain drafts of up to `k_max` tokens; fills `stats`.
 
-    k_max None: `auto` picks K at the start and every `REPICK_EVERY` rounds. `auto`
-    (when given) records every round's acceptance either way.
+    k_max None: `auto` picks K at the start and every `REPICK_EVERY` rounds, and
+    records each round's acceptance (its own rounds only: explicit K's don't feed it).
     """
     k_choice, automatic = k_max, k_max is None
     if automatic:
@@ -141,8 +147,10 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     hist = stats["accept_len_hist"] = [0] * (k_max + 1)
     prof = active()  # times phases and counts host syncs inside `profiling()`; else no-ops
     # Compiled steps keep k fixed (one shape) until the cache's end; tokens past
-    # max_new_tokens are then verified and dropped.
+    # max_new_tokens are then verified and dropped (and left out of the stats). Under
+    # auto, the compiled rebuild always has k_max + 1 rows: one graph per next k.
     fixed_shapes = spec.compiled is not None
+    rebuild_rows = k_max + 1 if fixed_shapes and automatic else None
 
     def granted(cur: int, emitted: int) -> int:
         k = granted_drafts(k_choice, cur, max_len)
@@ -174,19 +182,22 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         while a < k and d[a] == v[a]:
             a += 1
         spec.target.truncate_cache(spec.target_cache, cur + a)
-        if k > 0:
+        if automatic and k > 0:
+            auto.record(k, a)
+        # Stats count what could be emitted: drafts past max_new_tokens (fixed shapes) are not.
+        k_used = min(k, max_new_tokens - len(out) - 1)
+        a_used = min(a, k_used)
+        if k_used > 0:
             stats["rounds"] += 1
-            stats["draft_tokens"] += k
-            stats["accepted_tokens"] += a
-            hist[a] += 1
-            for i in range(a):
+            stats["draft_tokens"] += k_used
+            stats["accepted_tokens"] += a_used
+            hist[a_used] += 1
+            for i in range(a_used):
                 per_pos[i] += 1
-            for i in range(k):
+            for i in range(k_used):
                 drafted[i] += 1
-            if auto is not None:
-                auto.record(k, a)
-                if automatic and stats["rounds"] % REPICK_EVERY == 0:
-                    k_choice = stats["num_draft_tokens"] = auto.choose()
+            if automatic and stats["rounds"] % REPICK_EVERY == 0:
+                k_choice = stats["num_draft_tokens"] = auto.choose()
         for t in d[:a] + [v[a]]:
             out.append(t)
             if t in stop_ids or len(out) == max_new_tokens:
@@ -198,7 +209,7 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         k_next = granted(cur, len(out))
         prof.tic()
         if k_next > 0:  # once no draft is granted none ever is again: the draft cache can stop
-            drafts = drafter.chain_after_verify(drafts, a, anchor, vfeat, start, k_next)
+            drafts = drafter.chain_after_verify(drafts, a, anchor, vfeat, start, k_next, rebuild_rows)
         else:
             drafts = anchor[:, :0]
         k = k_next

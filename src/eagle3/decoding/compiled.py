@@ -2,9 +2,8 @@
 
 On a small CPU eager PyTorch spends most of a decoding step dispatching ~50
 small ops per layer; inductor fuses the elementwise work into a few C++ loops
-and (with max-autotune) replaces MKL's small-M GEMMs by register-blocked
-kernels that read each weight once for all K+1 rows, so verifying K+1 tokens
-costs little more than decoding one.
+around the GEMMs. (Max-autotune's C++ GEMM templates were measured slower for
+the 1-token forward here, so they are not used.)
 
 Shapes: the number of tokens T stays static (one graph per T: decode 1, verify
 K+1, draft step 1, draft rebuild K+1); the attended cache length is dynamic,
@@ -23,14 +22,15 @@ from ..targets.decoder import slots_upto
 if TYPE_CHECKING:
     from ..speculator import Eagle3Speculator
 
-# One graph per (step, T, flags); the default limit of 8 would silently fall back to eager.
-RECOMPILE_LIMIT = 64
+# One graph per (step, T, flags): up to ~30 with auto K. Past dynamo's default limit of 8,
+# a fullgraph compile raises in the middle of a generation.
+RECOMPILE_LIMIT = 256
 
 
 class CompiledSteps:
     """Compiled target and draft steps over `spec`'s caches."""
 
-    def __init__(self, spec: Eagle3Speculator, max_autotune: bool = True) -> None:
+    def __init__(self, spec: Eagle3Speculator) -> None:
         from ..errors import Eagle3Error
         from ..targets.decoder import NativeTarget
 
@@ -41,9 +41,6 @@ class CompiledSteps:
                                                     RECOMPILE_LIMIT)
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
-        if max_autotune:  # process-wide: inductor reads these when it compiles, not per function
-            cfg = torch._inductor.config
-            cfg.max_autotune, cfg.max_autotune_gemm_backends, cfg.freezing = True, "CPP,ATEN", True
         self.spec = spec
         self._target = torch.compile(self._target_step, fullgraph=True)
         self._draft = torch.compile(self._draft_step, fullgraph=True)
