@@ -52,8 +52,9 @@ def markdown(report: dict[str, Any]) -> str:
     c = report["cost_model"]
     if c is not None:
         ratios = " ".join(f"{m}:{v:.2f}" for m, v in c["verify_cost_ratio"].items())
-        lines.append(f"Cost model (cache of {c['cache_len']} tokens): target forward "
-                     f"{c['target_forward_ms']:.2f} ms; cost(K+1)/cost(1) {ratios or '-'}; draft step / "
-                     f"target forward {c['draft_step_over_target_forward']:.2f}; "
+        lines.append(f"Cost model (cache of {c['cache_len']} tokens): plain decoding step "
+                     f"{c['target_forward_ms']:.2f} ms; cost(K+1)/cost(1) = verify over K+1 tokens / plain "
+                     f"step: {ratios or '-'}; draft step / plain step "
+                     f"{c['draft_step_over_target_forward']:.2f}; "
                      "model = tau / (cost(K+1)/cost(1) + K * draft/target).")
     return "\n".join(lines)

@@ -36,10 +36,10 @@ DRAFT_PROBE_STEPS = 4  # the draft cost is timed over a chain of this many steps
 @torch.no_grad()
 def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], repeats: int, *,
                  compiled: bool = True) -> dict[str, Any]:
-    """cost(T)/cost(1) of a target forward over T tokens (T in `sizes`) on a cache holding
-    `prompt`, and draft step / target forward (a draft step timed as 1/4 of a 4-step
-    chain, as rounds run them): medians of interleaved timings, through the compiled
-    steps when the speculator has them and `compiled`."""
+    """cost(T)/cost(1) of a verify forward over T tokens (T in `sizes`) against a plain
+    decoding step, on a cache holding `prompt`, and draft step / plain step (a draft
+    step timed as 1/4 of a 4-step chain, as rounds run them): medians of interleaved
+    timings, through the compiled steps when the speculator has them and `compiled`."""
     n = len(prompt)
     sizes = [m for m in sorted({1, *sizes}) if n + m <= spec.max_seq_len]
     pos = slots_upto(spec.max_seq_len)
@@ -52,7 +52,9 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], re
     for _ in range(repeats):
         for m in sizes:
             t0 = time.perf_counter()
-            ids, _ = spec._target(tok.view(1, 1).expand(1, m), pos[n:n + m], n + m, compiled=compiled)
+            plain = m == 1  # cost(1) is a plain decoding step: no taps, the last logits only
+            ids, _ = spec._target(tok.view(1, 1).expand(1, m), pos[n:n + m], n + m, with_taps=not plain,
+                                  last_only=plain, compiled=compiled)
             sync(ids)
             times[m].append(time.perf_counter() - t0)
             spec.target.truncate_cache(spec.target_cache, n)
