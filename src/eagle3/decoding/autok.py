@@ -106,9 +106,14 @@ class AutoK:
                 self.accepted[i] += 1
 
     def rates(self) -> list[float]:
-        """q_i: P(position i accepted | positions before it accepted), shrunk to the prior."""
-        return [(a + PRIOR_ACCEPT * PRIOR_ROUNDS) / (r + PRIOR_ROUNDS)
-                for a, r in zip(self.accepted, self.reached)]
+        """q_i: P(position i accepted | positions before it accepted), each shrunk towards
+        the previous position's estimate (position 0: the prior), so positions with little
+        or no data look like the last ones measured."""
+        rates, prior = [], PRIOR_ACCEPT
+        for a, r in zip(self.accepted, self.reached):
+            prior = (a + prior * PRIOR_ROUNDS) / (r + PRIOR_ROUNDS)
+            rates.append(prior)
+        return rates
 
     def tau(self, k: int) -> float:
         """Expected tokens per round with k drafts."""
