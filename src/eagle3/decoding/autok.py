@@ -10,7 +10,8 @@ when the speculator is compiled (`eagle3 bench` reports the same numbers).
 tau(K) = 1 + sum_j prod_{i<j} q_i, where q_i is the acceptance rate of draft
 position i given that the earlier ones were accepted: counted per round by
 `AutoK.record` over the speculator's automatic generations, and shrunk towards
-a prior (0.8, typical of EAGLE-3 heads) where there is little data.
+the previous position's rate (position 0: a prior of 0.8, typical of EAGLE-3
+heads) where there is little data.
 """
 
 from __future__ import annotations
