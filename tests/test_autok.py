@@ -12,7 +12,6 @@ import math
 import pytest
 
 import eagle3
-from conftest import make_hf_model
 from eagle3.bench.cli import parse_ks
 from eagle3.bench.harness import run_bench
 from eagle3.bench.report import markdown
@@ -20,7 +19,7 @@ from eagle3.decoding.autok import AUTO_MAX_K, PRIOR_ACCEPT, AutoK, predicted_spe
 from eagle3.draft import attach_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, make_bigram
+from heads import forced_head, save_bigram_target
 
 PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
 
@@ -83,12 +82,7 @@ def test_choose_skips_unmeasured_sizes():
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("autok") / "bigram")
-    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
-                      num_attention_heads=4, head_dim=32)
-    make_bigram(m)
-    m.save_pretrained(d)
-    return d
+    return save_bigram_target(str(tmp_path_factory.mktemp("autok") / "bigram"))
 
 
 def plain(t, prompt, n):

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import eagle3
-from conftest import make_hf_model
 from eagle3.bench import harness, peers
 from eagle3.bench.cli import main, parse_peers
 from eagle3.bench.harness import Sample, interleave, run_bench, summarize
@@ -25,7 +24,7 @@ from eagle3.decoding.profile import profiling
 from eagle3.draft import save_head
 from eagle3.speculator import Eagle3Speculator, empty_stats
 from eagle3.targets import load_target
-from heads import forced_head, make_bigram
+from heads import forced_head, save_bigram_target
 
 TOP_KEYS = {"baseline_tokens_per_s", "eagle_tokens_per_s", "speedup", "mean_accept_len",
             "accept_len_hist", "accepted_per_position", "outputs_identical", "best_k", "rows", "peers",
@@ -41,11 +40,8 @@ N = 20
 def dirs(tmp_path_factory):
     """(target dir, head dir, prompts.jsonl): a bigram target and a full-acceptance head."""
     root = tmp_path_factory.mktemp("bench")
-    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
-                      num_attention_heads=4, head_dim=32)
-    make_bigram(m)
     target, head, prompts = str(root / "target"), str(root / "head"), str(root / "prompts.jsonl")
-    m.save_pretrained(target)
+    save_bigram_target(target)
     save_head(forced_head(load_target(target), "full"), head, "speculators")
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS)

@@ -19,7 +19,7 @@ from eagle3.decoding.autok import AutoK
 from eagle3.draft import attach_head, random_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, make_bigram
+from heads import forced_head, save_bigram_target
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 48
@@ -30,10 +30,7 @@ STAT_KEYS = ("rounds", "draft_tokens", "accepted_tokens", "accepted_per_position
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
-    m = make_hf_model("llama", seed=2, tie_word_embeddings=False, hidden_size=128,
-                      num_attention_heads=4, head_dim=32)
-    make_bigram(m)
-    m.save_pretrained(str(root / "bigram"))
+    save_bigram_target(str(root / "bigram"))
     make_hf_model("gemma2", seed=1).save_pretrained(str(root / "gemma2"))
     return {"bigram": str(root / "bigram"), "gemma2": str(root / "gemma2")}
 

@@ -120,15 +120,6 @@ def run_cli(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("fmt_target") / "llama"

@@ -23,7 +23,7 @@ from eagle3.decoding.chain import ChainDrafter, granted_drafts
 from eagle3.draft import attach_head, random_head, save_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import bigram_table, forced_head, make_bigram
+from heads import bigram_table, forced_head, save_bigram_target
 
 V = 160
 
@@ -37,13 +37,7 @@ def dirs(tmp_path_factory):
         d = str(root / name)
         make_hf_model(name, seed=1).save_pretrained(d)
         out[name] = d
-        # Wider, so the forced heads' lookups have a wide margin (noise ~ sqrt(V) / H).
-        m = make_hf_model(name, seed=2, tie_word_embeddings=False, hidden_size=128,
-                          num_attention_heads=4, head_dim=32)
-        make_bigram(m)
-        d = str(root / f"bigram_{name}")
-        m.save_pretrained(d)
-        out[f"bigram_{name}"] = d
+        out[f"bigram_{name}"] = save_bigram_target(str(root / f"bigram_{name}"), name)
     return out
 
 

@@ -43,15 +43,6 @@ ATOL = 1e-4
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: one thread is faster, and immune to a busy machine (OpenMP spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():

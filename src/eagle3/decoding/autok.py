@@ -35,19 +35,22 @@ DRAFT_PROBE_STEPS = 4  # the draft cost is timed over a chain of this many steps
 
 
 @torch.no_grad()
-def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], repeats: int, *,
-                 compiled: bool = True) -> dict[str, Any]:
+def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int],
+                 repeats: int) -> dict[str, Any]:
     """cost(T)/cost(1) of a verify forward over T tokens (T in `sizes`) against a plain
     decoding step, on a cache holding `prompt`, and draft step / plain step (a draft
     step timed as 1/4 of a 4-step chain, as rounds run them): medians of interleaved
-    timings, through the compiled steps when the speculator has them and `compiled`."""
+    timings, through the compiled steps when the speculator has them."""
+    from .chain import ChainDrafter  # chain.py imports this module
+
     n = len(prompt)
     sizes = [m for m in sorted({1, *sizes}) if n + m <= spec.max_seq_len]
     pos = slots_upto(spec.max_seq_len)
     x = torch.tensor([prompt])
     spec.reset_caches()
     tok, feat = spec.prefill(x, pos[:n], kv_len=n)
-    d_ids, h = spec._draft(torch.cat([x[:, 1:], tok.view(1, 1)], dim=1), feat, pos[:n], n, compiled=False)
+    drafter = ChainDrafter(spec, pos)
+    first, boundary = drafter.prefill_prompt(torch.cat([x[:, 1:], tok.view(1, 1)], dim=1), feat)
     times: dict[int, list[float]] = {m: [] for m in sizes}
     draft_times: list[float] = []
     for _ in range(repeats):
@@ -55,33 +58,20 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int], re
             t0 = time.perf_counter()
             plain = m == 1  # cost(1) is a plain decoding step: no taps, the last logits only
             ids, _ = spec._target(tok.view(1, 1).expand(1, m), pos[n:n + m], n + m, with_taps=not plain,
-                                  last_only=plain, compiled=compiled)
+                                  last_only=plain)
             sync(ids)
             times[m].append(time.perf_counter() - t0)
             spec.target.truncate_cache(spec.target_cache, n)
         t0 = time.perf_counter()
-        ids = _draft_steps(spec, d_ids[:, -1:], h[:, -1:], n, DRAFT_PROBE_STEPS, compiled)
+        ids = drafter.chain_round(first, boundary, DRAFT_PROBE_STEPS + 1)  # rewinds the draft cache
         sync(ids)
         draft_times.append((time.perf_counter() - t0) / DRAFT_PROBE_STEPS)
-        spec.draft_cache.truncate(n)
     spec.reset_caches()
     med = {m: statistics.median(t) for m, t in times.items()}
     draft = statistics.median(draft_times)
     return {"cache_len": n, "target_forward_ms": med[1] * 1e3,
             "verify_cost_ratio": {str(m): med[m] / med[1] for m in sizes if m > 1},
             "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
-
-
-def _draft_steps(spec: Eagle3Speculator, tok: torch.Tensor, feature: torch.Tensor, n: int, steps: int,
-                 compiled: bool) -> torch.Tensor:
-    """`steps` chained draft steps after slot n-1, as the chain runner runs them."""
-    pos = slots_upto(n + steps)
-    if compiled and spec.compiled is not None:  # one fused graph, as in a round
-        spec.draft_cache.claim(n, steps)
-        return spec.compiled.chain(tok, feature, pos[n:n + steps], n + steps)
-    for i in range(steps):
-        tok, feature = spec._draft(tok, feature, pos[n + i:n + i + 1], n + i + 1, compiled=False)
-    return tok
 
 
 def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
