@@ -14,6 +14,8 @@ Corrupting a bank forces rejections exactly where wanted:
     full    -> every draft accepted (accepted length == K each round)
     partial -> first draft accepted, the rest rejected (accepted length 1)
     zero    -> first draft rejected (accepted length 0)
+    second  -> every prediction's runner-up is right, its top choice wrong: a tree
+               accepts one token per round through a second child (tree tests)
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def forced_head(target, mode: str = "full", draft_vocab: list[int] | None = None
     bank B cancels the residual it reads; lookup noise then builds up over
     chains of more than ~3 steps, so 'full' is exact only for short chains.
     """
-    assert mode in ("full", "partial", "zero")
+    assert mode in ("full", "partial", "zero", "second")
     g = torch.Generator().manual_seed(seed)
     V, H = target.config.vocab_size, target.config.hidden_size
     f = bigram_table(target)
@@ -111,6 +113,8 @@ def forced_head(target, mode: str = "full", draft_vocab: list[int] | None = None
     bank_b = f if mode == "full" else wrong(f)
     A.down_proj.weight[:, :V] = unit(code[bank_a]).T
     B.down_proj.weight[:, V:] = unit(code[bank_b]).T
+    if mode == "second":  # the right code at 0.8 of a wrong one: logits rank it second
+        A.down_proj.weight[:, :V] += 0.8 * unit(code[f2]).T
     if not norm_before_residual:
         # Cancel the residual bank B reads (its own previous output), so the new
         # prediction is not mixed with the old one.

@@ -235,3 +235,38 @@ def test_cli_end_to_end_with_peers_json_and_plots(dirs, tmp_path):
         assert peer["outputs_identical"] is True and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
     for name in ("speedup.png", "acceptance.png", "accept_hist.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tree_and_sampled_rows(spec):
+    from eagle3.decoding.tree import TreeShape
+
+    shape = TreeShape(2, 4, 8)
+    report = run_bench(spec, PROMPTS[:2], ks=[2], max_new_tokens=N, repeats=2, trees=[shape],
+                       temperature=1.0)
+    tree_row = next(r for r in report["rows"] if r.get("tree"))
+    assert tree_row["tree"] == shape.as_dict() and tree_row["outputs_identical"]
+    # Independently: the same generations' stats, summed.
+    stats = [spec.generate(p, N, tree=shape).stats for p in PROMPTS[:2]]
+    assert tree_row["accepted_tokens"] == sum(s["accepted_tokens"] for s in stats)
+    assert tree_row["draft_tokens"] == sum(s["draft_tokens"] for s in stats)
+    names = [(r["arm"], r["k"], r["tree"]) for r in report["sampled_rows"]]
+    assert names == [("plain", None, None), ("eagle3", "auto", None), ("eagle3", None, shape.as_dict())]
+    for r in report["sampled_rows"]:
+        assert r["outputs_identical"] is None and r["temperature"] == 1.0
+    assert report["sampled_rows"][0]["speedup"] == 1.0
+    assert report["outputs_identical"]  # greedy rows only
+    text = markdown(report)
+    assert "EAGLE-3 tree 2x4x8 |" in text and "EAGLE-3 tree 2x4x8, sampled T=1" in text
+    assert "n/a (sampled)" in text
+
+
+def test_parse_trees():
+    from eagle3.bench.cli import parse_trees
+    from eagle3.decoding.tree import DEFAULT_TREE, TreeShape
+    from eagle3.errors import Eagle3Error
+
+    assert parse_trees("default,4x8x48") == [DEFAULT_TREE, TreeShape(4, 8, 48)]
+    assert parse_trees("none") == []
+    for bad in ("4x8", "ax2x3", "1x3x4"):
+        with pytest.raises(Eagle3Error):
+            parse_trees(bad)

@@ -55,10 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise Eagle3Error(f"target {args.target} ships no tokenizer.json, so a text prompt cannot "
                               "be encoded; pass --prompt-ids 1,2,3")
         ids = tok.encode(text)
-    tree = True if args.tree else None
-    result = spec.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                           num_draft_tokens=args.num_draft_tokens, tree=tree,
-                           stop_token_ids=args.stop_ids)
+    result = spec.generate(ids, args.max_new_tokens, **_decoding_kwargs(args))
     stats = dict(result.stats)
     n = len(result.token_ids)
     stats["tokens_per_s"] = n / stats["seconds"] if stats["seconds"] > 0 else 0.0
@@ -72,14 +69,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         line = (f"eagle3: {n} new tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s), "
                 f"{stats['target_forwards']} target forwards, tau {stats['mean_accept_len']:.2f}")
-        if stats.get("num_draft_tokens") is not None:
+        if stats.get("tree"):
+            line += ", tree {top_k}x{depth}x{total_tokens} (top_k x depth x nodes)".format(**stats["tree"])
+        elif stats.get("num_draft_tokens") is not None:
             line += f", K {stats['num_draft_tokens']}" + (" (auto)" if args.num_draft_tokens in
                                                          (None, "auto") else "")
         if args.compare:
             line += (f"; plain decoding {stats['plain_tokens_per_s']:.1f} tok/s -> speedup "
-                     f"{stats['speedup']:.2f}x, outputs identical: {stats['outputs_identical']}")
+                     f"{stats['speedup']:.2f}x")
+            if stats["outputs_identical"] is not None:
+                line += f", outputs identical: {stats['outputs_identical']}"
+
         print(line, file=sys.stderr)
     return 0
+
+
+def _decoding_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s keyword arguments from the command line (--tree-* imply --tree)."""
+    tree = None
+    custom = {key: getattr(args, f"tree_{key}") for key in ("top_k", "depth", "total_tokens")
+              if getattr(args, f"tree_{key}") is not None}
+    if args.chain and custom:
+        raise Eagle3Error("--chain contradicts --tree-top-k/--tree-depth/--tree-total-tokens; "
+                          "drop one")
+    if args.tree or custom:
+        tree = custom or True
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                num_draft_tokens=args.num_draft_tokens, tree=tree, stop_token_ids=args.stop_ids)
 
 
 def _compare_plain(spec, ids, args, result, stats: dict) -> None:
@@ -91,19 +107,22 @@ def _compare_plain(spec, ids, args, result, stats: dict) -> None:
     plain = Eagle3Speculator(spec.target, None, spec.tokenizer)
     if spec.compiled is not None:  # like for like
         plain.compile()
-    kw = dict(stop_token_ids=args.stop_ids)
+    kw = _decoding_kwargs(args)
+    plain_kw = {k: v for k, v in kw.items() if k not in ("num_draft_tokens", "tree")}
     spec_times, plain_times, same = [], [], True
     for _ in range(3):  # the first timed call above was cold; these are warm
-        p = plain.generate(ids, args.max_new_tokens, **kw)
+        p = plain.generate(ids, args.max_new_tokens, **plain_kw)
         plain_times.append(p.stats["seconds"])
-        r = spec.generate(ids, args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, **kw)
+        r = spec.generate(ids, args.max_new_tokens, **kw)
         spec_times.append(r.stats["seconds"])
         same = same and p.token_ids == result.token_ids == r.token_ids
     n = len(result.token_ids)
     stats["plain_tokens_per_s"] = n / statistics.median(plain_times)
     stats["tokens_per_s"] = n / statistics.median(spec_times)
     stats["speedup"] = stats["tokens_per_s"] / stats["plain_tokens_per_s"]
-    stats["outputs_identical"] = same
+    # Sampled outputs differ between plain and speculative runs (other random draws); the
+    # distribution is what is lossless (tests/test_sampling.py).
+    stats["outputs_identical"] = same if args.temperature == 0 else None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -179,10 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the decode/verify/draft steps through torch.compile (faster steps; "
                         "compiling takes a minute or more the first time, then is cached on disk)")
     shape = g.add_mutually_exclusive_group()
-    shape.add_argument("--tree", action="store_true", help="dynamic tree drafting")
+    shape.add_argument("--tree", action="store_true",
+                       help="dynamic tree drafting (EAGLE-2/3): expand the top-k children of the "
+                            "best nodes level by level, verify the best nodes in one target forward")
     shape.add_argument("--chain", action="store_true", help="chain drafting (default)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    from .decoding.tree import DEFAULT_TREE as d
+    g.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                   help=f"children per expanded node (default {d.top_k}; implies --tree)")
+    g.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help=f"tree levels = longest acceptable draft (default {d.depth}; implies --tree)")
+    g.add_argument("--tree-total-tokens", type=int, default=None, metavar="N",
+                   help=f"nodes verified per round (default {d.total_tokens}; implies --tree)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, lossless in distribution")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default 0: off)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="random seed for sampling: the same seed and settings give the same output")
     g.add_argument("--stop-ids", type=_int_list, default=None, metavar="1,2",
                    help="stop after any of these token ids (default: the target's EOS ids)")
     g.add_argument("--json", action="store_true",

@@ -25,6 +25,8 @@ import torch
 from .decoding.autok import AUTO_MAX_K, AutoK, measure_cost
 from .decoding.chain import chain_generate
 from .decoding.plain import plain_greedy
+from .decoding.sampling import Sampler, check_sampling
+from .decoding.tree import parse_tree, speculative_generate
 from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget
 
@@ -92,6 +94,7 @@ class Eagle3Speculator:
         self.tokenizer = tokenizer
         self.target_cache: Any = None
         self.draft_cache: Any = None
+        self.draft_slack = 0  # draft cache slots past max_seq_len, for tree drafting's scratch
         self._warned_low_acceptance = False
         self.compiled: Any = None  # set by compile()
         self.auto: AutoK | None = None  # acceptance counts + cost model, for num_draft_tokens='auto'
@@ -109,8 +112,14 @@ class Eagle3Speculator:
         self.target.truncate_cache(self.target_cache, 0)
         if self.draft is not None:
             if self.draft_cache is None:
-                self.draft_cache = self.draft.new_cache(1, self.max_seq_len)
+                self.draft_cache = self.draft.new_cache(1, self.max_seq_len + self.draft_slack)
             self.draft_cache.truncate(0)
+
+    def reserve_draft_slots(self, n: int) -> None:
+        """Make the draft cache hold `n` slots past max_seq_len (a tree's scratch slots)."""
+        if n > self.draft_slack:
+            self.draft_slack = n
+            self.draft_cache = None  # reallocated by the next reset_caches
 
     def _caches(self) -> None:
         if self.target_cache is None or (self.draft is not None and self.draft_cache is None):
@@ -196,47 +205,92 @@ class Eagle3Speculator:
                  stop_token_ids: Any = None) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids`.
 
-        Greedy: token-identical to plain decoding with the target alone. Stops
-        after the first token in `stop_token_ids` (default: the target's EOS
-        ids; `[]` never stops). `num_draft_tokens` = K for chain drafting;
-        None or 'auto' picks K (1..8) from the measured cost model and the
-        acceptance seen so far, again every few rounds (`decoding.autok`).
+        Greedy (temperature 0): token-identical to plain decoding with the target
+        alone. Sampling (temperature > 0, then top_k, then top_p as in
+        transformers): speculation is lossless in distribution, and a `seed`
+        makes the output reproducible for the same settings (each drafting mode
+        draws its random numbers differently). Stops after the first token in
+        `stop_token_ids` (default: the target's EOS ids; `[]` never stops).
+        `tree`: True for the default tree (`decoding.tree.DEFAULT_TREE`), a dict
+        of top_k / depth / total_tokens for another shape, None/False for a chain.
+        `num_draft_tokens` = K for chain drafting; None or 'auto' picks K (1..8)
+        from the measured cost model and the acceptance seen so far, again every
+        few rounds (`decoding.autok`).
         """
         cfg = self.target.config
         ids = check_request(prompt_ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
         k = check_num_draft_tokens(num_draft_tokens)
-        if temperature != 0.0:
-            raise Eagle3Error("sampling (temperature > 0) is not implemented yet; use temperature=0")
-        if tree not in (None, False):
-            raise Eagle3Error("tree drafting is not implemented yet; use chain drafting (tree=None)")
+        params = check_sampling(temperature, top_p, top_k, seed)
+        shape = parse_tree(tree)
         try:
             stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
                                                  else stop_token_ids))
         except (TypeError, ValueError):
             raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
+        if self.draft is not None and (shape is not None or not params.greedy) and not hasattr(
+                self.target, "compact_cache"):
+            raise Eagle3Error("tree drafting and speculative sampling need a native target (the "
+                              "transformers adapter takes no tree mask); load with backend='native' "
+                              "or use greedy chain drafting")
+        if shape is not None and self.draft is not None and shape.top_k > self.draft.config.draft_vocab_size:
+            raise Eagle3Error(f"tree top_k {shape.top_k} exceeds the head's draft vocabulary "
+                              f"({self.draft.config.draft_vocab_size} tokens); lower top_k")
+        sampler = None if params.greedy else Sampler(params, self.target_device)
         stats = empty_stats()
         t0 = time.perf_counter()
         if self.draft is None:
             self.reset_caches()
-            step = lambda tok, pos, n: self._target(tok, pos, n, with_taps=False, last_only=True)[0]
-            tokens, stats["target_forwards"] = plain_greedy(self.target, ids, max_new_tokens, stop,
-                                                            cache=self.target_cache, step=step)
+            if sampler is None:
+                step = lambda tok, pos, n: self._target(tok, pos, n, with_taps=False,  # noqa: E731
+                                                        last_only=True)[0]
+                tokens, stats["target_forwards"] = plain_greedy(
+                    self.target, ids, max_new_tokens, stop, cache=self.target_cache, step=step)
+            else:
+                tokens, stats["target_forwards"] = plain_greedy(
+                    self.target, ids, max_new_tokens, stop, cache=self.target_cache,
+                    pick=lambda lg: sampler.sample(sampler.probs(lg)))
         else:
-            if k is None and self.auto is None:  # first automatic choice: measure the costs once
-                probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
-                self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)), repeats=5))
-            tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats, self.auto)
+            if shape is not None:
+                stats["tree"] = shape.as_dict()
+                self.reserve_draft_slots(shape.draft_slots)
+                propose = lambda d, logits, h, n: d.draft_tree(logits, h, shape, n)  # noqa: E731
+                tokens = speculative_generate(self, ids, max_new_tokens, stop, stats, propose,
+                                              shape.total_tokens, shape.depth, sampler)
+            else:
+                if k is None and self.auto is None:  # first automatic choice: measure the costs once
+                    probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
+                    self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)),
+                                                   repeats=5))
+                if sampler is None:
+                    tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats, self.auto)
+                else:
+                    tokens = self._chain_sample(ids, max_new_tokens, k, stop, stats, sampler)
             if stats["rounds"]:
                 stats["mean_accept_len"] = 1.0 + stats["accepted_tokens"] / stats["rounds"]
             self._check_acceptance(stats)
         stats["seconds"] = time.perf_counter() - t0
         return GenerationResult(tokens, stats)
 
+    def _chain_sample(self, ids: list[int], max_new_tokens: int, k: int | None,
+                      stop: frozenset[int], stats: dict, sampler: Sampler) -> list[int]:
+        """Chain speculative sampling; 'auto' takes the K the greedy statistics favour."""
+        k = k or self.auto.choose()
+        stats["num_draft_tokens"] = k
+        self.reserve_draft_slots(k)
+        propose = lambda d, logits, h, n: d.sample_chain(logits, h, min(k, n), sampler)  # noqa: E731
+        return speculative_generate(self, ids, max_new_tokens, stop, stats, propose, k, k, sampler)
+
+    @property
+    def target_device(self) -> torch.device:
+        w = getattr(self.target, "embedding_weight", None)
+        return w.device if w is not None else torch.device("cpu")
+
     def _check_acceptance(self, stats: dict) -> None:
         # A head paired with the wrong taps (e.g. SGLang's +1 ids) drafts garbage silently.
-        if self._warned_low_acceptance or stats["draft_tokens"] < 32:
+        # Judged on the first draft position (a tree verifies many nodes, accepts one path).
+        if self._warned_low_acceptance or stats["rounds"] < 32:
             return
-        rate = stats["accepted_tokens"] / stats["draft_tokens"]
+        rate = stats["accepted_per_position"][0] / stats["rounds"]
         if rate < 0.05:
             self._warned_low_acceptance = True
             notice(f"draft acceptance is near zero ({rate:.1%}): the head may belong to another "

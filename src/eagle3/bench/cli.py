@@ -21,7 +21,7 @@ BUILTIN_PROMPTS = [
 ]
 DESCRIPTION = """\
 Benchmark in one process: plain decoding (this engine) against EAGLE-3 chain
-drafting for each K, and transformers peers on the same target weights
+drafting for each K and tree drafting for each --tree shape, and transformers peers on the same target weights
 (greedy generate, prompt lookup, assisted generation with --assistant). For
 each prompt the variants run in turn (A B C A B C ...) after one warm-up pass;
 each repetition totals all prompts and rows report the median over repetitions.
@@ -55,6 +55,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     b.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     b.add_argument("--num-draft-tokens", default="auto,1,2,3,4,5,6,7,8", metavar="auto,1,...,8",
                    help="the K values to measure, 'auto' for the automatic choice (default auto,1..8)")
+    b.add_argument("--tree", default="default", metavar="default,4x7x24",
+                   help="tree shapes to measure, each 'default' or TOPKxDEPTHxNODES (e.g. 4x8x48), "
+                        "or none (default: the default tree)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="also measure sampling at this temperature: sampled plain, chain K=auto and "
+                        "each tree, speedups against sampled plain (default 0: greedy rows only)")
     b.add_argument("--compile", action="store_true",
                    help="run our engine's decode/verify/draft steps through torch.compile (compiles "
                         "each step shape once: minutes on a small CPU the first time, cached on disk)")
@@ -89,6 +95,26 @@ def parse_ks(text: str) -> tuple[list[int], bool]:
         raise Eagle3Error(f"--num-draft-tokens must be comma-separated integers in 1..{MAX_NUM_DRAFT_TOKENS} "
                           f"and/or 'auto' (e.g. auto,1,2,4,8), got '{text}'")
     return ks, auto
+
+
+def parse_trees(text: str) -> list:
+    """'default,4x8x48' -> [DEFAULT_TREE, TreeShape(4, 8, 48)]; 'none' -> []."""
+    from ..decoding.tree import DEFAULT_TREE, parse_tree
+
+    shapes = []
+    for word in (t.strip() for t in text.split(",") if t.strip()):
+        if word == "none":
+            continue
+        if word == "default":
+            shapes.append(DEFAULT_TREE)
+            continue
+        try:
+            k, d, n = (int(x) for x in word.lower().split("x"))
+        except ValueError:
+            raise Eagle3Error(f"--tree takes 'default', 'none' or TOPKxDEPTHxNODES shapes such as "
+                              f"4x8x48, got '{word}'") from None
+        shapes.append(parse_tree({"top_k": k, "depth": d, "total_tokens": n}))
+    return list(dict.fromkeys(shapes))
 
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
@@ -170,6 +196,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; print the Markdown table; write --json / --plots."""
     notes: list[str] = []
     ks, auto = parse_ks(args.num_draft_tokens)
+    trees = parse_trees(args.tree)
+    from ..decoding.sampling import check_sampling
+
+    check_sampling(args.temperature, 1.0, 0, None)
     peer_names = parse_peers(args.peers, args.assistant, notes)
     if args.repeats < 1:
         raise Eagle3Error(f"--repeats must be >= 1, got {args.repeats}")
@@ -215,7 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for note in notes:
         notice(note)
     report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       peers=arms, auto=auto, progress=sys.stderr.isatty())
+                       peers=arms, auto=auto, trees=trees, temperature=args.temperature,
+                       progress=sys.stderr.isatty())
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
                               compiled=args.compile,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),

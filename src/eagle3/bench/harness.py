@@ -37,15 +37,24 @@ class Sample:
 Arm = Callable[[list[int]], Sample]
 
 
-def engine_arm(spec: Any, max_new_tokens: int, k: int | None = None) -> Arm:
-    """Our engine: `spec.generate` (chain drafts of K = k, or plain when `spec` has no head), profiled."""
+def engine_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tree: Any = None,
+               temperature: float = 0.0) -> Arm:
+    """Our engine: `spec.generate` (chain drafts of K = k, a `tree` shape, or plain when `spec`
+    has no head), profiled. Sampled arms (temperature > 0) seed call n with n: reproducible."""
+    calls = iter(range(1 << 62))
+
     def run(ids: list[int]) -> Sample:
         with profiling() as prof:
             t0 = time.perf_counter()
-            r = spec.generate(ids, max_new_tokens, num_draft_tokens=k)
+            r = spec.generate(ids, max_new_tokens, num_draft_tokens=k, tree=tree,
+                              temperature=temperature, seed=next(calls) if temperature else None)
             seconds = time.perf_counter() - t0
         return Sample(r.token_ids, seconds, r.stats, prof)
     return run
+
+
+def tree_name(shape: Any) -> str:
+    return f"tree {shape.top_k}x{shape.depth}x{shape.total_tokens}"
 
 
 def interleave(arms: dict[str, Arm], prompts: list[list[int]], repeats: int,
@@ -74,20 +83,24 @@ def _per_rep(samples: list[list[Sample]], value: Callable[[Sample], float]) -> l
     return [sum(value(reps[r]) for reps in samples) for r in range(len(samples[0]))]
 
 
-def summarize(samples: list[list[Sample]], plain: list[list[Sample]]) -> dict[str, Any]:
-    """A row for one arm: median tokens/s, correctness vs `plain`, speculation stats, time split."""
+def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> dict[str, Any]:
+    """A row for one arm: median tokens/s, correctness vs `plain` (None for sampled arms, whose
+    outputs differ by design), speculation stats, time split."""
     tokens = _per_rep(samples, lambda s: len(s.token_ids))
     seconds = _per_rep(samples, lambda s: s.seconds)
-    mismatched = sum(s.token_ids != p.token_ids for reps, preps in zip(samples, plain)
-                     for s, p in zip(reps, preps))
+    mismatched = None if plain is None else sum(
+        s.token_ids != p.token_ids for reps, preps in zip(samples, plain) for s, p in zip(reps, preps))
     row: dict[str, Any] = {
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds)),
         "tokens": int(statistics.median(tokens)), "seconds": statistics.median(seconds),
-        "outputs_identical": mismatched == 0, "mismatched_runs": mismatched}
+        "outputs_identical": None if plain is None else mismatched == 0,
+        "mismatched_runs": mismatched}
     if samples[0][0].stats is None:
         return row  # a peer: no stats of ours
-    # Speculation counts: greedy decoding is deterministic, so one repetition (the first) tells all.
-    first = [reps[0].stats for reps in samples]
+    # Speculation counts: greedy decoding is deterministic, so one repetition (the first) tells
+    # all; sampled runs differ, so they count every repetition.
+    first = ([reps[0].stats for reps in samples] if plain is not None else
+             [s.stats for reps in samples for s in reps])
     total = lambda key: sum(s[key] for s in first)  # noqa: E731
     rounds, drafted, accepted = total("rounds"), total("draft_tokens"), total("accepted_tokens")
     per_pos = [sum(c) for c in zip(*(s["accepted_per_position"] for s in first))]
@@ -125,10 +138,15 @@ def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dic
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
               repeats: int, peers: dict[str, Arm] | None = None, auto: bool = False,
+              trees: list[Any] = (), temperature: float = 0.0,
               progress: bool = False) -> dict[str, Any]:
-    """Plain decoding vs EAGLE-3 chain for each K (and `peers`), interleaved; returns the report.
+    """Plain decoding vs EAGLE-3 chain for each K and each tree shape (and `peers`),
+    interleaved; returns the report.
 
     `auto` adds a row for num_draft_tokens='auto' (its `chosen_k`: the K it chose last).
+    `temperature` > 0 adds sampled rows (plain, chain K=auto, each tree) whose speedup is
+    against sampled plain decoding; their outputs differ from greedy's by design
+    (`outputs_identical` None), their losslessness is a distribution (tests/test_sampling.py).
 
     The report's top-level DESIGN §4 keys describe the fastest K (`best_k`);
     `outputs_identical` there is True only if every row of ours matched plain.
@@ -140,8 +158,18 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         plain_spec.compile()
     arms: dict[str, Arm] = {PLAIN: engine_arm(plain_spec, max_new_tokens)}
     chosen = [k for k in ks] + (["auto"] if auto else [])
+    sampled = []  # (arm name, k, tree) of the sampled arms
     if spec.draft is not None:
         arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in chosen})
+        arms.update({tree_name(t): engine_arm(spec, max_new_tokens, tree=t) for t in trees})
+    if temperature > 0:
+        sampled.append((f"sampled plain T={temperature:g}", None, None))
+        arms[sampled[-1][0]] = engine_arm(plain_spec, max_new_tokens, temperature=temperature)
+        if spec.draft is not None:
+            for k, t in [("auto", None)] + [(None, t) for t in trees]:
+                name = f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}"
+                sampled.append((name, k, t))
+                arms[name] = engine_arm(spec, max_new_tokens, k, t, temperature)
     arms.update(peers or {})
     samples = interleave(arms, prompts, repeats, progress=progress)
     plain = samples[PLAIN]
@@ -151,12 +179,23 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
                      **summarize(samples[name], plain)})
         if k == "auto":
             rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
+    for t in trees if spec.draft is not None else ():
+        rows.append({"arm": "eagle3", "k": None, "tree": t.as_dict(),
+                     **summarize(samples[tree_name(t)], plain)})
     base = rows[0]["tokens_per_s"]
     cost = cost_model(spec, prompts[0], ks, max(10, 3 * repeats)) if spec.draft is not None else None
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base
         row["predicted_speedup"] = (predicted_speedup(row["mean_accept_len"], row["k"], cost)
                                     if isinstance(row["k"], int) else None)
+    sampled_rows = []
+    for name, k, t in sampled:
+        sampled_rows.append({"arm": "plain" if name.startswith("sampled plain") else "eagle3", "k": k,
+                             "tree": t.as_dict() if t is not None else None,
+                             "temperature": temperature, **summarize(samples[name], None)})
+        sampled_rows[-1]["speedup"] = sampled_rows[-1]["tokens_per_s"] / sampled_rows[0]["tokens_per_s"]
+        if k == "auto":
+            sampled_rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
     peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
     for row in peer_rows.values():
         row["speedup"] = row["tokens_per_s"] / base
@@ -171,8 +210,9 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         "accepted_per_position": best["accepted_per_position"] if best else None,
         "outputs_identical": all(r["outputs_identical"] for r in rows),
         "best_k": best["k"] if best else None,
-        "rows": rows, "peers": peer_rows, "cost_model": cost,
+        "rows": rows, "sampled_rows": sampled_rows, "peers": peer_rows, "cost_model": cost,
         "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "num_draft_tokens": chosen if spec.draft is not None else [],
+                     "trees": [t.as_dict() for t in trees], "temperature": temperature,
                      "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads()},
     }

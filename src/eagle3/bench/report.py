@@ -15,7 +15,7 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 
 
 def _row(name: str, r: dict) -> list[str]:
-    spec = r.get("k") is not None
+    spec = r.get("arm") == "eagle3"
     return [name, _f(r["tokens_per_s"], ".1f"), _f(r["speedup"]) + "x", _f(r.get("predicted_speedup")),
             _f(r["mean_accept_len"]) if spec else "-",
             _f(r["acceptance_rate"], ".0%") if spec else "-",
@@ -24,16 +24,23 @@ def _row(name: str, r: dict) -> list[str]:
             " ".join(f"{n}:{c}" for n, c in enumerate(r["accept_len_hist"]) if c) if spec else "-",
             _f(r.get("draft_ms_per_round")), _f(r.get("verify_ms_per_round")),
             _f(r.get("other_ms_per_round")), _f(r.get("host_syncs_per_round")),
+            "n/a (sampled)" if r["outputs_identical"] is None else
             "yes" if r["outputs_identical"] else f"NO ({r['mismatched_runs']} runs)"]
+
+
+def _name(r: dict) -> str:
+    t = r.get("tree")
+    name = ("plain (eagle3)" if r["arm"] == "plain" else
+            "EAGLE-3 tree {top_k}x{depth}x{total_tokens}".format(**t) if t else
+            f"EAGLE-3 K=auto ({r['chosen_k']} last)" if r["k"] == "auto" else f"EAGLE-3 K={r['k']}")
+    return name + (f", sampled T={r['temperature']:g}" if r.get("temperature") else "")
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table plus two summary lines."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in report["rows"]:
-        name = ("plain (eagle3)" if r["k"] is None else f"EAGLE-3 K=auto ({r['chosen_k']} last)"
-                if r["k"] == "auto" else f"EAGLE-3 K={r['k']}")
-        lines.append("| " + " | ".join(_row(name, r)) + " |")
+    for r in report["rows"] + report.get("sampled_rows", []):
+        lines.append("| " + " | ".join(_row(_name(r), r)) + " |")
     for peer, r in report["peers"].items():
         lines.append("| " + " | ".join(_row(PEER_NAMES.get(peer, peer), r)) + " |")
     s = report["settings"]
@@ -47,8 +54,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"Best K={report['best_k']}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "
                      f"{report['baseline_tokens_per_s']:.1f}, speedup {report['speedup']:.2f}x, "
                      f"tau {report['mean_accept_len']:.2f}.")
-    lines.append("Outputs identical to plain greedy in every run of ours: "
+    lines.append("Outputs identical to plain greedy in every greedy run of ours: "
                  f"{'yes' if report['outputs_identical'] else 'NO'}.")
+    if report.get("sampled_rows"):
+        lines.append("Sampled rows: speedup against sampled plain decoding; tree nodes count as "
+                     "drafted tokens (accept = accepted / nodes); sampling is lossless in "
+                     "distribution, so outputs are not compared.")
     c = report["cost_model"]
     if c is not None:
         ratios = " ".join(f"{m}:{v:.2f}" for m, v in c["verify_cost_ratio"].items())

@@ -108,7 +108,7 @@ class ChainDrafter:
             first, boundary = self.rebuild_after_verify(torch.cat([drafts[:, :a], anchor], dim=1),
                                                         vfeat[:, :a + 1], start)
             return self.chain_round(first, boundary, k)
-        T = min(rows or vfeat.shape[1], self.spec.draft_cache.max_len - start)  # fewer at the end
+        T = min(rows or vfeat.shape[1], self.spec.max_seq_len - start)  # fewer at the end
         seed = torch.cat([drafts[:, :a], anchor.expand(1, T - a)], dim=1)  # (1, T)
         if vfeat.shape[1] < T:
             vfeat = torch.cat([vfeat, vfeat[:, -1:].expand(1, T - vfeat.shape[1], -1)], dim=1)

@@ -12,13 +12,21 @@ from ..targets.protocol import TapTarget
 from .profile import active
 
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+Pick = Callable[[torch.Tensor], torch.Tensor]
+
+
+def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice: logits (B, 1, V) -> tokens (B, 1)."""
+    return logits.argmax(-1)
 
 
 @torch.no_grad()
 def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
                  stop_ids: frozenset[int], *, cache: Any = None,
-                 step: Step | None = None) -> tuple[list[int], int]:
+                 step: Step | None = None, pick: Pick = argmax_pick) -> tuple[list[int], int]:
     """Greedy-decode up to `max_new_tokens` tokens; returns (new tokens, target forwards).
+
+    `pick(logits (1, 1, V)) -> token (1, 1)` replaces the greedy choice (sampling).
 
     Stops after the first token in `stop_ids` (which is included). The caller
     has checked that prompt + max_new_tokens fits the target's cache. `cache`
@@ -36,11 +44,11 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
         def step(tok: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
             logits, _ = target.forward_logits_taps(tok, input_pos, cache, kv_len=kv_len,
                                                    last_only=True, with_taps=False)
-            return logits[:, -1:].argmax(-1)
+            return pick(logits[:, -1:])
     pos = slots_upto(n + max_new_tokens)
     logits, _ = target.forward_logits_taps(torch.tensor([prompt_ids]), pos[:n], cache, kv_len=n,
                                            last_only=True, with_taps=False)
-    tok = logits[:, -1:].argmax(-1)  # (1, 1)
+    tok = pick(logits[:, -1:])  # (1, 1)
     out = [int(tok)]
     forwards = 1
     prof.toc("prefill", syncs=1)

@@ -138,20 +138,22 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
                 cache: StaticKVCache, *, kv_len: int | None = None,
-                attn_mask: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, rope_pos: torch.Tensor | None = None,
                 key_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) with features (B, T, H) at slots `input_pos` (T,).
 
         Returns (draft logits (B, T, draft_vocab), next feature h (B, T, H)).
-        `attn_mask` (T, kv_len) bool replaces the causal mask (tree drafting);
-        `key_slots` = arange(kv_len) may replace `kv_len` (see the target's forward).
+        `attn_mask` (T, kv_len) bool replaces the causal mask and `rope_pos` (T,) the
+        RoPE positions (default: the slots), for tree drafting, where nodes sharing a
+        position sit in distinct slots; `key_slots` = arange(kv_len) may replace
+        `kv_len` (see the target's forward).
         """
         if key_slots is None:
             key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
         S = key_slots.shape[0]
         if attn_mask is None:
             attn_mask = key_slots[None, :] <= input_pos[:, None]
-        cos, sin = self.rope(input_pos, feature.dtype)
+        cos, sin = self.rope(input_pos if rope_pos is None else rope_pos, feature.dtype)
         emb = self.embed_tokens(tokens)  # (B, T, H)
         h = self.midlayer(emb, feature, cos, sin, attn_mask, input_pos, cache, S)
         return self.lm_head(self.norm(h)), h

@@ -275,6 +275,10 @@ class NativeTarget(nn.Module):
     def truncate_cache(self, cache: StaticKVCache, length: int) -> None:
         cache.truncate(length)
 
+    def compact_cache(self, cache: StaticKVCache, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Move the K/V at `src_slots` (N,) to slots dst_start.. (an accepted tree path)."""
+        cache.compact(src_slots, dst_start)
+
     def forward_logits_taps(self, tokens: torch.Tensor, input_pos: torch.Tensor,
                             cache: StaticKVCache, *, kv_len: int | None = None,
                             attn_mask: torch.Tensor | None = None,

@@ -1,0 +1,237 @@
+"""Sampling: the target's distribution (temperature / top-k / top-p against transformers'
+warpers), the rejection rules, and speculative sampling's output distribution against the
+exact one computed by enumeration on a tiny target.
+
+Distribution checks use a chi-square test at fixed seeds (deterministic pass or fail); the
+same check rejects a deliberately lossy rule, so it has the power to fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_hf_model
+from eagle3.decoding.sampling import Sampler, SamplingParams, check_sampling, speculative_accept, tree_accept
+from eagle3.draft import attach_head, random_head
+from eagle3.errors import Eagle3Error
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+
+transformers = pytest.importorskip("transformers")
+
+
+def chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    """p-value of observed `counts` against expected `probs` over n draws (cells with expected
+    count < 5 pooled); Wilson-Hilferty approximation of the chi-square tail."""
+    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for key, p in probs.items():
+        e = n * p
+        if e < 5:
+            pool_obs, pool_exp = pool_obs + counts.get(key, 0), pool_exp + e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        df += 1
+    stray = sum(c for key, c in counts.items() if key not in probs)  # impossible outcomes
+    if stray:
+        return 0.0
+    if pool_exp > 0:
+        stat += (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9)
+        df += 1
+    df = max(df, 1)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+# -- the target's distribution --------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
+                                                     (1.0, 0, 0.9), (0.8, 7, 0.6), (2.0, 1, 1.0),
+                                                     (1.0, 0, 0.05), (0.5, 50, 0.95)])
+def test_probs_match_transformers_warpers(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(int(100 * temperature) + top_k)
+    logits = torch.randn(6, 40, generator=g) * 3
+    logits[0, :5] = 2.0  # ties
+    ours = Sampler(SamplingParams(temperature, top_p, top_k)).probs(logits)
+    scores = transformers.TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = transformers.TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = transformers.TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(ours, scores.softmax(-1))
+
+
+def test_check_sampling():
+    assert check_sampling(0, 1.0, 0, None).greedy
+    assert check_sampling(0.7, 0.9, 5, 3) == SamplingParams(0.7, 0.9, 5, 3)
+    for args, msg in [((-1, 1, 0, None), "temperature"), ((float("nan"), 1, 0, None), "temperature"),
+                      ((1, 0, 0, None), "top_p"), ((1, 1.5, 0, None), "top_p"),
+                      ((1, 1, -2, None), "top_k"), ((1, 1, 2.0, None), "top_k"),
+                      ((1, 1, 0, -1), "seed"), ((1, 1, 0, "x"), "seed")]:
+        with pytest.raises(Eagle3Error, match=msg):
+            check_sampling(*args)
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+def _rule_setup(V=6, k=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, V, generator=g) * 1.5, -1)
+    return p, q
+
+
+def _first_two(emit, n, seed=0):
+    """Empirical first emitted token, and second one (present when the first was an accepted
+    draft); `emit(sampler) -> emitted tokens` runs one round."""
+    sampler = Sampler(SamplingParams(1.0, seed=seed))
+    first, second = {}, {}
+    for _ in range(n):
+        emitted = emit(sampler)
+        first[emitted[0]] = first.get(emitted[0], 0) + 1
+        if len(emitted) > 1:
+            second[emitted[1]] = second.get(emitted[1], 0) + 1
+    return first, second
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_speculative_accept_is_lossless(one_hot):
+    """Target rows independent of the history: the first token ~ p[0], the second ~ p[1].
+    Drafts sampled from q, or (one-hot variant) each row's argmax of q."""
+    p, q = _rule_setup()
+
+    def emit(sampler):
+        d = q.argmax(-1) if one_hot else sampler.sample(q)
+        a, nxt = speculative_accept(sampler, p, d, None if one_hot else q)
+        return d.tolist()[:a] + [nxt]
+
+    n = 6000
+    first, second = _first_two(emit, n)
+    assert chi_square_p(first, {i: float(x) for i, x in enumerate(p[0])}, n) > 1e-3
+    m = sum(second.values())
+    assert m > 1000 and chi_square_p(second, {i: float(x) for i, x in enumerate(p[1])}, m) > 1e-3
+
+
+def test_a_lossy_rule_is_caught():
+    """Power: accepting every draft (no rejection) fails the same check."""
+    p, q = _rule_setup()
+
+    def accept_all(sampler):
+        return sampler.sample(q).tolist() + [int(sampler.sample(p[-1]))]
+
+    first, _ = _first_two(accept_all, 6000)
+    assert chi_square_p(first, {i: float(x) for i, x in enumerate(p[0])}, 6000) < 1e-6
+
+
+def test_tree_accept_is_lossless():
+    """root -> children 1 (a), 2 (b), 3 (a, a duplicate: skipped); 1 -> 4 (c), 5 (d); 2 -> 6 (c).
+    The first token ~ p[root]; after child j is accepted, the second ~ p[j]."""
+    g = torch.Generator().manual_seed(3)
+    V = 5
+    probs = torch.softmax(torch.randn(7, V, generator=g) * 1.5, -1)
+    tokens, parents = [0, 1, 0, 2, 3, 2], [0, 0, 0, 1, 1, 2]
+    sampler = Sampler(SamplingParams(1.0, seed=1))
+    n = 8000
+    first, second = {}, {0: {}, 1: {}}
+    for _ in range(n):
+        path, nxt = tree_accept(sampler, probs, tokens, parents)
+        emitted = [tokens[j - 1] for j in path] + [nxt]
+        first[emitted[0]] = first.get(emitted[0], 0) + 1
+        if path:
+            c = second[path[0] - 1]  # node 1 (token 0) or node 2 (token 1)
+            c[emitted[1]] = c.get(emitted[1], 0) + 1
+    assert chi_square_p(first, {i: float(x) for i, x in enumerate(probs[0])}, n) > 1e-3
+    for node in (1, 2):
+        c = second[node - 1]
+        m = sum(c.values())
+        assert m > 500 and chi_square_p(c, {i: float(x) for i, x in enumerate(probs[node])}, m) > 1e-3
+
+
+# -- end to end on a tiny target ------------------------------------------------------------------
+
+VOCAB = 12
+N_NEW = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny") / "llama")
+    make_hf_model("llama", seed=5, scale=1.5, vocab_size=VOCAB).save_pretrained(d)
+    t = load_target(d)
+    head = random_head(t, taps=(1, 3, 5), scale=0.5, seed=2)
+    attach_head(head, t)
+    return t, head
+
+
+@torch.no_grad()
+def exact_distribution(target, prompt: list[int], params: SamplingParams) -> dict:
+    """P(t1, t2, t3) by enumerating every prefix (batched forwards on fresh caches)."""
+    sampler = Sampler(params)
+    probs: dict = {(): 1.0}
+    for _ in range(N_NEW):
+        prefixes = list(probs)
+        tokens = torch.tensor([prompt + list(x) for x in prefixes])
+        T = tokens.shape[1]
+        logits, _ = target.forward_logits_taps(tokens, torch.arange(T), target.new_cache(len(prefixes), T),
+                                               kv_len=T, with_taps=False)
+        nxt = sampler.probs(logits[:, -1]).double()
+        probs = {x + (v,): probs[x] * float(nxt[i, v]) for i, x in enumerate(prefixes)
+                 for v in range(VOCAB) if nxt[i, v] > 0}
+    return probs
+
+
+MODES = {"plain": dict(), "chain": dict(num_draft_tokens=2), "tree": dict(tree=dict(top_k=3, depth=3,
+                                                                                   total_tokens=8))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=6)],
+                         ids=["t1", "t0.8-p0.85-k6"])
+def test_speculative_sampling_matches_the_exact_distribution(tiny, mode, params):
+    target, head = tiny
+    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    prompt = [3, 7, 1]
+    want = exact_distribution(target, prompt, params)
+    n = 1500
+    outputs = []
+    accepted = 0
+    for seed in range(n):
+        r = spec.generate(prompt, N_NEW, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=seed, stop_token_ids=[], **MODES[mode])
+        outputs.append(tuple(r.token_ids))
+        accepted += r.stats["accepted_tokens"]
+    # Joint distributions of adjacent pairs (V^2 cells, well populated at n draws).
+    for span in (slice(0, 2), slice(1, 3)):
+        pair_want: dict = {}
+        for seq, p in want.items():
+            pair_want[seq[span]] = pair_want.get(seq[span], 0.0) + p
+        counts: dict = {}
+        for seq in outputs:
+            counts[seq[span]] = counts.get(seq[span], 0) + 1
+        assert chi_square_p(counts, pair_want, n) > 1e-3, span
+    if mode != "plain":
+        assert accepted > n // 10  # hundreds of accepted drafts: the rules were exercised
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_same_seed_same_output(tiny, mode):
+    target, head = tiny
+    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    run = lambda seed: spec.generate([1, 2, 3], 12, temperature=1.0, seed=seed, stop_token_ids=[],  # noqa: E731
+                                     **MODES[mode]).token_ids
+    assert run(7) == run(7)
+    assert len({tuple(run(s)) for s in range(8)}) > 1
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_top_k_one_is_greedy(tiny, mode):
+    """top_k=1 (or a tiny top_p) leaves the argmax only: sampling must equal greedy decoding."""
+    target, head = tiny
+    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    greedy = Eagle3Speculator(target).generate([4, 5], 15, stop_token_ids=[]).token_ids
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        got = spec.generate([4, 5], 15, temperature=1.0, seed=0, stop_token_ids=[], **kw, **MODES[mode])
+        assert got.token_ids == greedy

@@ -1,0 +1,339 @@
+"""Tree drafting: shapes, the tree built from the draft, and greedy losslessness against plain decoding.
+
+Tree greedy output must equal plain greedy output for every tree shape,
+architecture, vocabulary and acceptance pattern (heads forced to agree fully,
+through a second child, or not at all: tests/heads.py), with EOS inside an
+accepted path, and up to the cache's last slot where the tree must shrink.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.decoding.tree import DEFAULT_TREE, TreeDrafter, TreeShape, greedy_path, parse_tree, select_tree
+from eagle3.draft import attach_head, random_head
+from eagle3.errors import Eagle3Error
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+from heads import forced_head, save_bigram_target
+
+V = 160
+SHAPES = [dict(top_k=1, depth=1, total_tokens=1), dict(top_k=2, depth=3, total_tokens=5),
+          dict(top_k=4, depth=5, total_tokens=16), dict(top_k=3, depth=8, total_tokens=40),
+          dict(top_k=8, depth=2, total_tokens=30)]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree")
+    out = {}
+    for name in ("llama", "qwen2", "gemma2"):
+        d = str(root / name)
+        make_hf_model(name, seed=3).save_pretrained(d)
+        out[name] = d
+    out["bigram"] = save_bigram_target(str(root / "bigram"), "llama")
+    return out
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def spec_with(target, head) -> Eagle3Speculator:
+    attach_head(head, target)
+    return Eagle3Speculator(target, head)
+
+
+def plain(target, prompt, n, stop=()):
+    return Eagle3Speculator(target).generate(prompt, n, stop_token_ids=list(stop)).token_ids
+
+
+# -- shapes -----------------------------------------------------------------------------------------
+
+def test_parse_tree():
+    assert parse_tree(None) is None and parse_tree(False) is None
+    assert parse_tree(True) == DEFAULT_TREE
+    assert parse_tree({"top_k": 2}) == TreeShape(2, DEFAULT_TREE.depth, DEFAULT_TREE.total_tokens)
+    assert parse_tree({"top_k": 3, "depth": 4, "total_tokens": 10}) == TreeShape(3, 4, 10)
+    for bad, msg in [({"width": 3}, "unknown tree key 'width'"), ({"top_k": 0}, "positive integer"),
+                     ({"depth": 2.5}, "positive integer"), ("yes", "must be True"),
+                     ({"top_k": 1, "depth": 3, "total_tokens": 4}, "more than the 3 nodes")]:
+        with pytest.raises(Eagle3Error, match=msg):
+            parse_tree(bad)
+
+
+def test_bad_tree_requests(dirs):
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, draft_vocab_size=16, taps=(1, 3, 5)))
+    with pytest.raises(Eagle3Error, match="exceeds the head's draft vocabulary"):
+        spec.generate([1, 2], 4, tree={"top_k": 17, "depth": 2, "total_tokens": 17})
+    hf = eagle3.load(dirs["llama"], "none", backend="hf")
+    hspec = spec_with(hf.target, random_head(hf.target, taps=(1, 3, 5)))
+    with pytest.raises(Eagle3Error, match="need a native target"):
+        hspec.generate([1, 2], 4, tree=True)
+
+
+# -- the tree built from candidates -----------------------------------------------------------------
+
+@st.composite
+def candidates(draw):
+    """A level-ordered candidate list as draft_tree builds it, with random log-probabilities."""
+    k = draw(st.integers(1, 4))
+    depth = draw(st.integers(1, 4))
+    lp = lambda n: [-draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5])) for _ in range(n)]  # noqa: E731
+    scores = lp(k)
+    parents, levels = [-1] * k, [1] * k
+    front = list(range(k))
+    for level in range(2, depth + 1):
+        base = len(scores)
+        child = [scores[f] + x for f in front for x in lp(k)]
+        scores += child
+        parents += [f for f in front for _ in range(k)]
+        levels += [level] * (k * k)
+        order = sorted(range(len(child)), key=lambda i: -child[i])[:k]
+        front = [base + i for i in order]
+    n = draw(st.integers(1, len(scores)))
+    return scores, parents, levels, n
+
+
+@settings(max_examples=60, deadline=None)
+@given(candidates())
+def test_select_tree_is_a_connected_tree(c):
+    scores, parents, levels, n = c
+    M = len(scores)
+    tree = select_tree(torch.arange(M), torch.tensor(scores), torch.tensor(parents),
+                       torch.tensor(levels), n)
+    kept = tree.tokens.tolist()  # tokens = candidate ids here
+    assert len(kept) == n == len(set(kept))
+    # The n best scores are kept (ties may pick either candidate of equal score).
+    assert sorted((scores[i] for i in kept), reverse=True) == sorted(scores, reverse=True)[:n]
+    node_of = {cand: j for j, cand in enumerate(kept, start=1)}
+    for j, cand in enumerate(kept, start=1):
+        par = tree.parents[j - 1].item()
+        assert par < j  # parents first
+        assert par == (0 if parents[cand] < 0 else node_of[parents[cand]])  # connected
+        assert tree.depth[j] == levels[cand]
+    # mask row j: node j and its ancestors, by walking up.
+    for j in range(n + 1):
+        want, node = {j}, j
+        while node:
+            node = tree.parents[node - 1].item()
+            want.add(node)
+        assert set(torch.nonzero(tree.mask[j]).flatten().tolist()) == want
+
+
+def test_greedy_path():
+    # root -> 1 (a), 2 (b); 1 -> 3 (c), 4 (d); 2 -> 5 (c)
+    tokens, parents = [10, 11, 12, 13, 12], [0, 0, 1, 1, 2]
+    verify = [11, 99, 12, 0, 0, 7]  # after root: 11 -> node 2; after node 2: 12 -> node 5
+    assert greedy_path(verify, tokens, parents) == [2, 5]
+    assert greedy_path([42, 0, 0, 0, 0, 0], tokens, parents) == []
+
+
+@torch.no_grad()
+def test_draft_tree_equals_stateless_recompute(dirs):
+    """Each node's draft score = its parent's + the log-prob the draft gives its token when run
+    from scratch along the node's path (causal, fresh cache): the tree mask, RoPE positions,
+    slots and features are right."""
+    t = load_target(dirs["llama"])
+    head = random_head(t, draft_vocab_size=48, taps=(1, 3, 5), scale=0.3)
+    spec = spec_with(t, head)
+    shape = TreeShape(3, 4, 20)
+    spec.reserve_draft_slots(shape.draft_slots)
+    spec.reset_caches()
+    prompt = torch.tensor([prompts(1, 5)[0] + [7, 9]])
+    n = prompt.shape[1]
+    _, taps = t.forward_logits_taps(prompt, torch.arange(n), spec.target_cache, kv_len=n)
+    feats = spec._fuse(taps)  # (1, n, H)
+    anchor = torch.tensor([[33]])
+    seed = torch.cat([prompt[:, 1:], anchor], dim=1)
+    drafter = TreeDrafter(spec)
+    root_logits, boundary = drafter.reseed(seed, feats, 0)
+    tree = drafter.draft_tree(root_logits, boundary, shape, shape.total_tokens)
+
+    def path_of(j):
+        path = []
+        while j:
+            path.append(j)
+            j = tree.parents[j - 1].item()
+        return path[::-1]
+
+    t2d = {int(d + head.d2t[d]): d for d in range(48)}
+    for j in range(1, tree.size + 1):
+        path = path_of(j)
+        # From scratch: seed tokens with target features, then one step per path node before j.
+        cache = head.new_cache(1, 64)
+        logits, h = head(seed, feats, torch.arange(n), cache, kv_len=n)
+        lg, feat = logits[0, -1], h[:, -1:]
+        for i, node in enumerate(path[:-1]):
+            tok = tree.tokens[node - 1].view(1, 1)
+            logits, feat = head(tok, feat, torch.tensor([n + i]), cache, kv_len=n + i + 1)
+            lg = logits[0, -1]
+        lp = torch.log_softmax(lg.float(), -1)
+        tok = int(tree.tokens[j - 1])
+        assert tok in t2d
+        assert lp[t2d[tok]] >= lp.topk(shape.top_k).values[-1] - 1e-5  # among its parent's top_k
+    assert int(tree.depth.max()) <= shape.depth
+
+
+# -- greedy losslessness ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("shape", SHAPES + [True], ids=lambda s: "default" if s is True else
+                         f"{s['top_k']}x{s['depth']}x{s['total_tokens']}")
+def test_random_head_tree_lossless(dirs, name, shape):
+    t = load_target(dirs[name])
+    head = random_head(t, taps=(1, 3, 5), scale=0.3, draft_vocab_size=64 if name == "qwen2" else None)
+    spec = spec_with(t, head)
+    for p in prompts(3, seed=len(name)):
+        r = spec.generate(p, 20, tree=shape, stop_token_ids=[])
+        assert r.token_ids == plain(t, p, 20)
+        assert r.stats["tree"] == parse_tree(shape).as_dict()
+
+
+@pytest.fixture(scope="module")
+def bigram(dirs):
+    return load_target(dirs["bigram"])
+
+
+@pytest.mark.parametrize("mode", ["full", "second", "zero"])
+@pytest.mark.parametrize("shape", [dict(top_k=2, depth=4, total_tokens=8),
+                                   dict(top_k=4, depth=6, total_tokens=24)])
+def test_forced_heads_tree(bigram, mode, shape):
+    t = bigram
+    head = forced_head(t, mode)
+    spec = spec_with(t, head)
+    compacted = []
+    real_compact = t.compact_cache
+    t.compact_cache = lambda cache, src, dst: (compacted.append(src.tolist()), real_compact(cache, src, dst))
+    try:
+        for p in prompts(4, seed=11):
+            r = spec.generate(p, 40, tree=shape, stop_token_ids=[])
+            assert r.token_ids == plain(t, p, 40)
+            hist = r.stats["accept_len_hist"]
+            if mode == "full":  # the top-1 chain is always right: every round accepts `depth`
+                assert hist[shape["depth"]] >= r.stats["rounds"] - 1
+            elif mode == "second":  # the right token is a second child: one per round
+                assert hist[1] >= r.stats["rounds"] - 2
+    finally:
+        del t.compact_cache
+    if mode == "second":  # non-contiguous accepted paths were compacted
+        assert compacted
+
+
+def test_reduced_vocab_and_own_embedding_tree(bigram):
+    vocab = sorted(set(range(0, V, 2)) | set(bigram_targets(bigram)))
+    for own in (False, True):
+        spec = spec_with(bigram, forced_head(bigram, "full", draft_vocab=vocab, own_embedding=own))
+        for p in prompts(3, seed=4):
+            r = spec.generate(p, 30, tree=dict(top_k=3, depth=5, total_tokens=12), stop_token_ids=[])
+            assert r.token_ids == plain(bigram, p, 30)
+            assert r.stats["mean_accept_len"] > 4
+
+
+def bigram_targets(t):
+    from heads import bigram_table
+    return bigram_table(t).tolist()
+
+
+def test_eos_inside_an_accepted_path(bigram):
+    spec = spec_with(bigram, forced_head(bigram, "full"))
+    p = prompts(1, seed=9)[0]
+    free = plain(bigram, p, 30)
+    for i in (2, 3, 7):  # stop ids that occur inside accepted paths
+        stop = [free[i]]
+        want = plain(bigram, p, 30, stop)
+        got = spec.generate(p, 30, tree=dict(top_k=2, depth=6, total_tokens=12), stop_token_ids=stop)
+        assert got.token_ids == want and got.token_ids[-1] == stop[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "second"])
+def test_tree_runs_exactly_to_max_len(dirs, mode):
+    """Up to the last slot: the tree shrinks to the room left (capacity counts nodes)."""
+    t = load_target(dirs["bigram"], max_seq_len=40)
+    spec = spec_with(t, forced_head(t, mode))
+    for plen in (1, 5, 17, 30, 38):
+        p = prompts(1, seed=plen)[0][:1] * plen
+        n = 40 - plen
+        r = spec.generate(p, n, tree=dict(top_k=4, depth=6, total_tokens=24), stop_token_ids=[])
+        assert r.token_ids == plain(t, p, n)
+        assert len(r.token_ids) == n
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, V - 1), min_size=1, max_size=12), k=st.integers(1, 4),
+       depth=st.integers(1, 6), total=st.integers(1, 30), n=st.integers(1, 30),
+       mode=st.sampled_from(["full", "second", "zero"]))
+def test_property_tree_lossless(bigram, prompt, k, depth, total, n, mode):
+    total = min(total, k + (depth - 1) * k * k)
+    spec = _spec(bigram, mode)
+    got = spec.generate(prompt, n, tree=dict(top_k=k, depth=depth, total_tokens=total), stop_token_ids=[])
+    assert got.token_ids == plain(bigram, prompt, n)
+    s = got.stats
+    assert s["rounds"] == sum(s["accept_len_hist"])
+    assert s["accepted_tokens"] == sum(s["accepted_per_position"])
+
+
+_SPECS: dict = {}
+
+
+def _spec(t, mode):
+    if mode not in _SPECS:
+        _SPECS[mode] = spec_with(t, forced_head(t, mode))
+    return _SPECS[mode]
+
+
+def test_low_acceptance_warning_judges_the_first_position(dirs, bigram, capsys):
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))  # agrees with the target ~never
+    spec.generate(prompts(1)[0], 60, tree=dict(top_k=2, depth=2, total_tokens=3), stop_token_ids=[])
+    assert "acceptance is near zero" in capsys.readouterr().err
+    # A good head in a wide tree: 2 of 72 nodes accepted per round, every first position right.
+    good = spec_with(bigram, forced_head(bigram, "full"))
+    r = good.generate(prompts(1)[0], 120, tree=dict(top_k=8, depth=2, total_tokens=72),
+                      stop_token_ids=[])
+    assert r.stats["rounds"] >= 32 and r.stats["accepted_tokens"] / r.stats["draft_tokens"] < 0.05
+    assert "near zero" not in capsys.readouterr().err
+
+
+def test_cli_tree_and_sampling(dirs, bigram, tmp_path, capsys):
+    import json
+
+    from eagle3.cli import main
+    from eagle3.draft import save_head
+
+    save_head(forced_head(bigram, "full"), str(tmp_path / "head"), "speculators")
+    p = prompts(1, 21)[0]
+    base = ["generate", "--target", dirs["bigram"], "--draft", str(tmp_path / "head"), "--prompt-ids",
+            ",".join(map(str, p)), "--max-new-tokens", "20", "--stop-ids", "", "--json"]
+
+    def run(*extra):
+        code = main(base + list(extra))
+        captured = capsys.readouterr()
+        return code, (json.loads(captured.out) if code == 0 else captured.err)
+
+    want = plain(bigram, p, 20)
+    code, out = run("--tree-depth", "5", "--tree-top-k", "2", "--tree-total-tokens", "9")
+    assert code == 0 and out["token_ids"] == want
+    assert out["stats"]["tree"] == {"top_k": 2, "depth": 5, "total_tokens": 9}
+    assert out["stats"]["mean_accept_len"] == pytest.approx(6.0, abs=1.0)  # depth 5 + the bonus
+    code, out = run("--tree")
+    assert code == 0 and out["token_ids"] == want and out["stats"]["tree"] == DEFAULT_TREE.as_dict()
+    sampled = [run("--temperature", "0.9", "--top-p", "0.9", "--seed", "4", *extra)[1]["token_ids"]
+               for extra in ([], [], ["--tree"])]
+    assert sampled[0] == sampled[1] and len(sampled[2]) == 20
+    for extra, msg in [(["--chain", "--tree-depth", "3"], "--chain contradicts"),
+                       (["--tree-top-k", "0"], "top_k must be a positive integer"),
+                       (["--temperature", "-1"], "temperature must be"),
+                       (["--top-p", "0"], "top_p must be in"),
+                       (["--tree-total-tokens", "500"], "more than the")]:
+        code, err = run(*extra)
+        assert code == 2 and msg in err and "Traceback" not in err, (extra, err)
