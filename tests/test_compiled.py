@@ -150,3 +150,30 @@ def test_compiled_stats_count_only_emittable_drafts(dirs):
         a = eager.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
         b = compiled.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
         assert {k: a[k] for k in STAT_KEYS} == {k: b[k] for k in STAT_KEYS}, n
+
+
+@pytest.mark.parametrize("mode", ["full", "second", "zero"])
+def test_compiled_tree_is_lossless_to_the_cache_end(dirs, mode):
+    """Full-size tree rounds run compiled (reseed + draft, verify); the cache's last rounds run
+    eagerly with a shrinking tree. Same output as plain decoding, same stats as eager trees."""
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, mode)
+    attach_head(head, t)
+    spec, eager = Eagle3Speculator(t, head).compile(), Eagle3Speculator(t, head)
+    V = t.config.vocab_size
+    shape = {"top_k": 3, "depth": 4, "total_tokens": 9}
+    verified = []
+    real_verify = spec.compiled.tree_verify
+    spec.compiled.tree_verify = lambda *a: verified.append(1) or real_verify(*a)
+    counters.clear()
+    for p in prompts(4, seed=8, V=V):
+        for n in (2, 9, MAX_LEN - len(p)):
+            want = plain(t, p, n)
+            r = spec.generate(p, n, tree=shape, stop_token_ids=[])
+            assert r.token_ids == want, (p, n)
+            e = eager.generate(p, n, tree=shape, stop_token_ids=[]).stats
+            assert all(r.stats[key] == e[key] for key in STAT_KEYS), (p, n)
+    # Compiled rounds ran; three graphs at most (first tree, reseed + tree, verify; the first
+    # case compiles them), none added for new positions or prompts.
+    assert len(verified) > 20
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])

@@ -64,7 +64,8 @@ def test_parse_tree():
     assert parse_tree({"top_k": 3, "depth": 4, "total_tokens": 10}) == TreeShape(3, 4, 10)
     for bad, msg in [({"width": 3}, "unknown tree key 'width'"), ({"top_k": 0}, "positive integer"),
                      ({"depth": 2.5}, "positive integer"), ("yes", "must be True"),
-                     ({"top_k": 1, "depth": 3, "total_tokens": 4}, "more than the 3 nodes")]:
+                     ({"top_k": 1, "depth": 3, "total_tokens": 4}, "more than the 3 nodes"),
+                     ({"top_k": 20, "depth": 15, "total_tokens": 40}, "280 draft slots")]:
         with pytest.raises(Eagle3Error, match=msg):
             parse_tree(bad)
 
@@ -109,7 +110,7 @@ def test_select_tree_is_a_connected_tree(c):
     scores, parents, levels, n = c
     M = len(scores)
     tree = select_tree(torch.arange(M), torch.tensor(scores), torch.tensor(parents),
-                       torch.tensor(levels), n)
+                       torch.tensor(levels), n, max(levels))
     kept = tree.tokens.tolist()  # tokens = candidate ids here
     assert len(kept) == n == len(set(kept))
     # The n best scores are kept (ties may pick either candidate of equal score).
@@ -146,7 +147,6 @@ def test_draft_tree_equals_stateless_recompute(dirs):
     head = random_head(t, draft_vocab_size=48, taps=(1, 3, 5), scale=0.3)
     spec = spec_with(t, head)
     shape = TreeShape(3, 4, 20)
-    spec.reserve_draft_slots(shape.draft_slots)
     spec.reset_caches()
     prompt = torch.tensor([prompts(1, 5)[0] + [7, 9]])
     n = prompt.shape[1]

@@ -26,11 +26,12 @@ from .decoding.autok import AUTO_MAX_K, AutoK, measure_cost
 from .decoding.chain import chain_generate
 from .decoding.plain import plain_greedy
 from .decoding.sampling import Sampler, check_sampling
-from .decoding.tree import parse_tree, speculative_generate
+from .decoding.tree import MAX_TREE_DRAFT_SLOTS, parse_tree, speculative_generate
 from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget
 
 MAX_NUM_DRAFT_TOKENS = 32
+SAMPLING_K = 4  # chain drafts under sampling with num_draft_tokens='auto' (reproducible seeds)
 
 
 @dataclass
@@ -94,7 +95,6 @@ class Eagle3Speculator:
         self.tokenizer = tokenizer
         self.target_cache: Any = None
         self.draft_cache: Any = None
-        self.draft_slack = 0  # draft cache slots past max_seq_len, for tree drafting's scratch
         self._warned_low_acceptance = False
         self.compiled: Any = None  # set by compile()
         self.auto: AutoK | None = None  # acceptance counts + cost model, for num_draft_tokens='auto'
@@ -112,14 +112,10 @@ class Eagle3Speculator:
         self.target.truncate_cache(self.target_cache, 0)
         if self.draft is not None:
             if self.draft_cache is None:
-                self.draft_cache = self.draft.new_cache(1, self.max_seq_len + self.draft_slack)
+                # Room past max_seq_len for a tree's scratch slots, allocated once: a cache
+                # that grew later would make compiled steps recompile for its new size.
+                self.draft_cache = self.draft.new_cache(1, self.max_seq_len + MAX_TREE_DRAFT_SLOTS)
             self.draft_cache.truncate(0)
-
-    def reserve_draft_slots(self, n: int) -> None:
-        """Make the draft cache hold `n` slots past max_seq_len (a tree's scratch slots)."""
-        if n > self.draft_slack:
-            self.draft_slack = n
-            self.draft_cache = None  # reallocated by the next reset_caches
 
     def _caches(self) -> None:
         if self.target_cache is None or (self.draft is not None and self.draft_cache is None):
@@ -215,7 +211,8 @@ class Eagle3Speculator:
         of top_k / depth / total_tokens for another shape, None/False for a chain.
         `num_draft_tokens` = K for chain drafting; None or 'auto' picks K (1..8)
         from the measured cost model and the acceptance seen so far, again every
-        few rounds (`decoding.autok`).
+        few rounds (`decoding.autok`); when sampling, 'auto' is K = SAMPLING_K (4),
+        so that a seed's output does not depend on timings.
         """
         cfg = self.target.config
         ids = check_request(prompt_ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
@@ -252,12 +249,11 @@ class Eagle3Speculator:
         else:
             if shape is not None:
                 stats["tree"] = shape.as_dict()
-                self.reserve_draft_slots(shape.draft_slots)
                 propose = lambda d, logits, h, n: d.draft_tree(logits, h, shape, n)  # noqa: E731
                 tokens = speculative_generate(self, ids, max_new_tokens, stop, stats, propose,
-                                              shape.total_tokens, shape.depth, sampler)
+                                              shape.total_tokens, shape.depth, sampler, shape)
             else:
-                if k is None and self.auto is None:  # first automatic choice: measure the costs once
+                if k is None and sampler is None and self.auto is None:  # measure the costs once
                     probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
                     self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)),
                                                    repeats=5))
@@ -273,10 +269,10 @@ class Eagle3Speculator:
 
     def _chain_sample(self, ids: list[int], max_new_tokens: int, k: int | None,
                       stop: frozenset[int], stats: dict, sampler: Sampler) -> list[int]:
-        """Chain speculative sampling; 'auto' takes the K the greedy statistics favour."""
-        k = k or self.auto.choose()
+        """Chain speculative sampling. 'auto' drafts SAMPLING_K: a K chosen from timings would
+        make a seeded output depend on the machine's load (each K draws differently)."""
+        k = k or SAMPLING_K
         stats["num_draft_tokens"] = k
-        self.reserve_draft_slots(k)
         propose = lambda d, logits, h, n: d.sample_chain(logits, h, min(k, n), sampler)  # noqa: E731
         return speculative_generate(self, ids, max_new_tokens, stop, stats, propose, k, k, sampler)
 

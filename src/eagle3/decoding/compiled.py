@@ -13,7 +13,7 @@ every position. The caches are read from the speculator, as in eager mode.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ class CompiledSteps:
         self._draft = torch.compile(self._draft_step, fullgraph=True)
         self._chain = torch.compile(self._chain_steps, fullgraph=True)
         self._rebuild_chain = torch.compile(self._rebuild_chain_steps, fullgraph=True)
+        self._tree = torch.compile(self._tree_steps, fullgraph=True)
+        self._reseed_tree = torch.compile(self._reseed_tree_steps, fullgraph=True)
+        self._tree_verify = torch.compile(self._tree_verify_step, fullgraph=True)
 
     # The functions inductor compiles: tensors in, tensors out, caches written in place.
     def _target_step(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_slots: torch.Tensor,
@@ -78,6 +81,61 @@ class CompiledSteps:
         ids, h = self._draft_step(seed, seed_feature, seed_pos, key_slots)
         return self._chain_steps(ids.index_select(1, used), h.index_select(1, used), positions,
                                  key_slots)
+
+    def _tree_steps(self, root_logits: torch.Tensor, boundary: torch.Tensor, p0: torch.Tensor,
+                    key_slots: torch.Tensor, k: int, depth: int, n: int) -> tuple[torch.Tensor, ...]:
+        """`decoding.tree.expand_tree` over the draft cache: (tokens, parents, depth, mask)."""
+        from .tree import expand_tree
+
+        t = expand_tree(self.spec.draft, self.spec.draft_cache, root_logits, boundary, p0, key_slots,
+                        k, depth, n)
+        return t.tokens, t.parents, t.depth, t.mask
+
+    def _reseed_tree_steps(self, seed: torch.Tensor, seed_feature: torch.Tensor,
+                           seed_pos: torch.Tensor, used: torch.Tensor, p0: torch.Tensor,
+                           key_slots: torch.Tensor, k: int, depth: int,
+                           n: int) -> tuple[torch.Tensor, ...]:
+        """Teacher-force seed (1, R) at `seed_pos`; row `used` (1,) is the tree's root."""
+        draft = self.spec.draft
+        logits, h = draft(seed, seed_feature, seed_pos, self.spec.draft_cache, key_slots=key_slots)
+        return self._tree_steps(logits[0].index_select(0, used)[0], h.index_select(1, used), p0,
+                                key_slots, k, depth, n)
+
+    def _tree_verify_step(self, anchor: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor,
+                          mask: torch.Tensor, p0: torch.Tensor,
+                          key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from .tree import DraftTree, verify_tree
+
+        spec = self.spec
+        tree = DraftTree(tokens, tokens, depth, mask)
+        logits, taps = verify_tree(spec.target, spec.target_cache, anchor, tree, p0, key_slots)
+        return logits[0].argmax(-1), spec._fuse(taps)
+
+    def tree(self, root_logits: torch.Tensor, boundary: torch.Tensor, P: int, kv_len: int, k: int,
+             depth: int, n: int) -> Any:
+        from .tree import DraftTree
+
+        dev = root_logits.device
+        return DraftTree(*self._tree(_fresh(root_logits), _fresh(boundary),
+                                     torch.tensor([P], device=dev), _dynamic_slots(kv_len, dev),
+                                     k, depth, n))
+
+    def reseed_tree(self, seed: torch.Tensor, seed_feature: torch.Tensor, start: int, used: int,
+                    P: int, kv_len: int, k: int, depth: int, n: int) -> Any:
+        from .tree import DraftTree
+
+        dev = seed.device
+        R = seed.shape[1]
+        return DraftTree(*self._reseed_tree(
+            _fresh(seed), _fresh(seed_feature), torch.arange(start, start + R, device=dev),
+            torch.tensor([used], device=dev), torch.tensor([P], device=dev),
+            _dynamic_slots(kv_len, dev), k, depth, n))
+
+    def tree_verify(self, anchor: torch.Tensor, tree: Any, p0: torch.Tensor,
+                    kv_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy ids (N+1,) after each node and fused features (1, N+1, H)."""
+        return self._tree_verify(_fresh(anchor), _fresh(tree.tokens), _fresh(tree.depth),
+                                 _fresh(tree.mask), _fresh(p0), _dynamic_slots(kv_len, anchor.device))
 
     def chain(self, first: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
               kv_len: int) -> torch.Tensor:

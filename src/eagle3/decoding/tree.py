@@ -25,7 +25,7 @@ Capacity counts tree nodes: a round may verify N = min(total_tokens,
 max_len - cur - 1) nodes (cur = tokens so far, anchor included), so its
 commit (at most depth + 1 tokens) always fits; at 0 the round is plain
 decoding. The draft's tree slots live past the committed prefix, in room the
-draft cache reserves beyond max_len (`Eagle3Speculator.reserve_draft_slots`).
+draft cache reserves beyond max_len (MAX_TREE_DRAFT_SLOTS).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ..speculator import Eagle3Speculator
 
 MAX_TREE_NODES = 256
+MAX_TREE_DRAFT_SLOTS = 256  # top_k * (depth - 1): the draft cache's room past max_seq_len
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ def parse_tree(tree: Any) -> TreeShape | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise Eagle3Error(f"tree {key} must be a positive integer, got {value!r}")
     shape = TreeShape(**fields)
+    if shape.draft_slots > MAX_TREE_DRAFT_SLOTS:
+        raise Eagle3Error(f"tree top_k {shape.top_k} x (depth {shape.depth} - 1) = {shape.draft_slots} "
+                          f"draft slots is more than the {MAX_TREE_DRAFT_SLOTS} the draft cache "
+                          "reserves; lower top_k or depth")
     if shape.total_tokens > min(shape.max_nodes, MAX_TREE_NODES):
         raise Eagle3Error(f"tree total_tokens {shape.total_tokens} is more than the "
                           f"{min(shape.max_nodes, MAX_TREE_NODES)} nodes a tree of top_k "
@@ -164,46 +169,15 @@ class TreeDrafter:
     def draft_tree(self, root_logits: torch.Tensor, boundary: torch.Tensor, shape: TreeShape,
                    n_nodes: int) -> DraftTree:
         """The best `n_nodes` nodes of a dynamic tree under the root (see the module docstring)."""
-        k, P = shape.top_k, self.length
+        P = self.length
         depth = min(shape.depth, n_nodes)  # deeper levels could not be committed anyway
-        device = root_logits.device
-        scratch = k * (depth - 1)
-        kv_len = P + scratch
-        top = torch.log_softmax(root_logits.float(), -1).topk(k)
-        to_target = self.draft.to_target_ids
-        # Every scored candidate, level by level: token, cumulative log-prob, parent candidate.
-        tokens, scores = [to_target(top.indices)], [top.values]
-        parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        levels = [torch.ones(k, dtype=torch.long, device=device)]
-        front = torch.arange(k, device=device)  # the frontier's candidate indices
-        front_tok, front_score = tokens[0], top.values
-        front_feat = boundary.expand(1, k, boundary.shape[-1])  # (1, k, H)
-        front_anc = torch.zeros(k, scratch, dtype=torch.bool, device=device)  # ancestors' slots
-        prefix = torch.ones(k, P, dtype=torch.bool, device=device)
-        n_cand = k
-        for level in range(1, depth):
-            own = torch.zeros_like(front_anc)
-            own[:, (level - 1) * k:level * k] = torch.eye(k, dtype=torch.bool, device=device)
-            tree_mask = front_anc | own  # (k, scratch)
-            logits, h = self.forward(front_tok[None], front_feat, P + (level - 1) * k, kv_len,
-                                     rope_pos=torch.full((k,), P + level - 1, device=device),
-                                     attn_mask=torch.cat([prefix, tree_mask], dim=1))
-            child = torch.log_softmax(logits.float(), -1).topk(k)  # (k, k)
-            child_score = (front_score[:, None] + child.values).flatten()  # (k*k,)
-            child_tok = to_target(child.indices).flatten()
-            tokens.append(child_tok)
-            scores.append(child_score)
-            parents.append(front.repeat_interleave(k))
-            levels.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
-            if level < depth - 1:
-                best = child_score.topk(k).indices  # (k,) the next frontier
-                par = best // k
-                front, front_tok, front_score = n_cand + best, child_tok[best], child_score[best]
-                front_feat, front_anc = h[:, par], tree_mask[par]
-            n_cand += k * k
+        scratch = shape.top_k * (depth - 1)
+        self.cache.claim(P, scratch)
+        tree = expand_tree(self.draft, self.cache, root_logits, boundary,
+                           torch.tensor([P], device=root_logits.device),
+                           slots_upto(P + scratch, root_logits.device), shape.top_k, depth, n_nodes)
         self.cache.truncate(P)  # the tree's draft slots are scratch
-        return select_tree(torch.cat(tokens), torch.cat(scores), torch.cat(parents),
-                           torch.cat(levels), n_nodes)
+        return tree
 
     def sample_chain(self, root_logits: torch.Tensor, boundary: torch.Tensor, k: int,
                      sampler: Sampler) -> DraftTree:
@@ -226,8 +200,74 @@ class TreeDrafter:
         return chain_tree(torch.cat(drafts, dim=1)[0], torch.stack(qs))
 
 
+def expand_tree(draft: Any, cache: Any, root_logits: torch.Tensor, boundary: torch.Tensor,
+                p0: torch.Tensor, key_slots: torch.Tensor, k: int, depth: int, n: int) -> DraftTree:
+    """Draft a tree from the root's logits (Vd,) and feature (1, 1, H); keep the best n nodes.
+
+    The draft cache holds the committed prefix, slots < p0 (1,); level l's k frontier nodes
+    are written at slots p0 + (l-1)k .. (scratch), with RoPE position p0 + l - 1, and attend
+    to the prefix and their ancestors. `key_slots` = arange(p0 + k(depth-1)). No host
+    synchronisation and no control flow on tensor values (one compiled graph serves it).
+    """
+    device = root_logits.device
+    scratch = k * (depth - 1)
+    cols = key_slots[None, :] - p0  # (1, S): a slot's index in the scratch (< 0: committed)
+    prefix = cols < 0
+    in_scratch = (cols >= 0) & (cols < scratch)
+    col_idx = cols.clamp(0, max(scratch - 1, 0))
+    ar = torch.arange(k, device=device)
+    scratch_ar = torch.arange(scratch, device=device)
+    top = torch.log_softmax(root_logits.float(), -1).topk(k)
+    to_target = draft.to_target_ids
+    # Every scored candidate, level by level: token, cumulative log-prob, parent candidate.
+    tokens, scores = [to_target(top.indices)], [top.values]
+    parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+    levels = [torch.ones(k, dtype=torch.long, device=device)]
+    front = ar  # the frontier's candidate indices
+    front_tok, front_score = tokens[0], top.values
+    front_feat = boundary.expand(1, k, boundary.shape[-1])  # (1, k, H)
+    front_anc = torch.zeros(k, scratch, dtype=torch.bool, device=device)  # ancestors' slots
+    n_cand = k
+    for level in range(1, depth):
+        own = scratch_ar[None, :] == ((level - 1) * k + ar)[:, None]  # (k, scratch)
+        tree_mask = front_anc | own
+        mask = prefix | (in_scratch & tree_mask.gather(1, col_idx.expand(k, -1)))  # (k, S)
+        logits, h = draft(front_tok[None], front_feat, p0 + (level - 1) * k + ar, cache,
+                          attn_mask=mask, rope_pos=(p0 + level - 1).expand(k), key_slots=key_slots)
+        child = torch.log_softmax(logits[0].float(), -1).topk(k)  # (k, k)
+        child_score = (front_score[:, None] + child.values).flatten()  # (k*k,)
+        child_tok = to_target(child.indices).flatten()
+        tokens.append(child_tok)
+        scores.append(child_score)
+        parents.append(front.repeat_interleave(k))
+        levels.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+        if level < depth - 1:
+            best = child_score.topk(k).indices  # (k,) the next frontier
+            par = best // k
+            front, front_tok, front_score = n_cand + best, child_tok[best], child_score[best]
+            front_feat, front_anc = h[:, par], tree_mask[par]
+        n_cand += k * k
+    return select_tree(torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(levels),
+                       n, depth)
+
+
+def verify_tree(target: Any, cache: Any, anchor: torch.Tensor, tree: DraftTree, p0: torch.Tensor,
+                key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over [anchor (1, 1), nodes] at slots p0.. with RoPE positions
+    p0 + depth, each attending to the committed prefix and its ancestors. `key_slots` =
+    arange(p0 + N + 1). Returns (logits (1, N+1, V), taps)."""
+    T = tree.size + 1
+    cols = key_slots[None, :] - p0  # (1, S): a slot's node index (< 0: committed)
+    node_mask = tree.mask.gather(1, cols.clamp(0, T - 1).expand(T, -1))  # (T, S)
+    mask = (cols < 0) | ((cols < T) & node_mask)
+    tokens = torch.cat([anchor, tree.tokens[None]], dim=1)  # (1, T)
+    slots = p0 + torch.arange(T, device=anchor.device)
+    return target.forward_logits_taps(tokens, slots, cache, key_slots=key_slots, attn_mask=mask,
+                                      rope_pos=p0 + tree.depth)
+
+
 def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
-                levels: torch.Tensor, n: int) -> DraftTree:
+                levels: torch.Tensor, n: int, depth: int) -> DraftTree:
     """Keep the n best candidates (M,) by score as a tree.
 
     Candidates are listed level by level, so a parent precedes its children, and a
@@ -240,12 +280,12 @@ def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tenso
     node_of[keep] = torch.arange(1, n + 1, device=tokens.device)
     par = parents[keep]
     tree_parents = torch.where(par >= 0, node_of[par.clamp_min(0)], 0)  # (n,) 0 = the root
-    depth = torch.cat([levels.new_zeros(1), levels[keep]])  # (n+1,)
+    node_depth = torch.cat([levels.new_zeros(1), levels[keep]])  # (n+1,)
     up = torch.cat([tree_parents.new_zeros(1), tree_parents])  # (n+1,) the root is its own parent
     mask = torch.eye(n + 1, dtype=torch.bool, device=tokens.device)
-    for _ in range(int(levels.max())):  # each pass adds one more generation of ancestors
+    for _ in range(depth):  # each pass adds one more generation of ancestors (levels <= depth)
         mask = mask | mask[up]
-    return DraftTree(tokens[keep], tree_parents, depth, mask)
+    return DraftTree(tokens[keep], tree_parents, node_depth, mask)
 
 
 def greedy_path(verify_ids: list[int], tokens: list[int], parents: list[int]) -> list[int]:
@@ -265,13 +305,15 @@ Propose = Callable[[TreeDrafter, torch.Tensor, torch.Tensor, int], DraftTree]
 @torch.no_grad()
 def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens: int,
                          stop_ids: frozenset[int], stats: dict, propose: Propose, max_nodes: int,
-                         depth: int, sampler: Sampler | None = None) -> list[int]:
+                         depth: int, sampler: Sampler | None = None,
+                         shape: TreeShape | None = None) -> list[int]:
     """Speculative decoding with one draft tree per round (a chain is a tree); fills `stats`.
 
     `propose(drafter, root_logits, boundary, n_nodes)` drafts at most `max_nodes` nodes at most
     `depth` deep. Greedy when `sampler` is None: token-identical to plain greedy decoding;
     else lossless in distribution (trees by recursive rejection; chains whose nodes carry q
-    by speculative sampling).
+    by speculative sampling). With compiled steps, greedy rounds of a full-size tree `shape`
+    run as two graphs (reseed + tree draft, verify); rounds near the cache's end run eagerly.
     """
     target = spec.target  # a native target (the caller checked): it takes tree masks
     n = len(prompt_ids)
@@ -286,6 +328,7 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
     prof = active()
     pick = (lambda lg: lg.argmax(-1)) if sampler is None else (
         lambda lg: sampler.sample(sampler.probs(lg)))
+    compiled = spec.compiled if sampler is None and shape is not None else None
 
     prof.tic()
     logits, taps = target.forward_logits_taps(prompt, pos[:n], spec.target_cache, kv_len=n,
@@ -299,34 +342,48 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
     root_logits, boundary = drafter.reseed(torch.cat([prompt[:, 1:], anchor], dim=1),
                                            spec._fuse(taps), 0)
     prof.toc("prefill", syncs=1)
+    reseed = None  # (tokens (1, a+1), features (1, a+1, H), start): the last round's accepted path
     while True:
         P = n + len(out) - 1  # the anchor's position
         n_nodes = min(max_nodes, max_len - P - 2)  # the commit (<= depth + 1 tokens) must fit
+        fused = compiled is not None and n_nodes == shape.total_tokens and (
+            max_len - P - 2 >= shape.depth)  # full size: the graphs' static shapes
         prof.tic()
-        tree = propose(drafter, root_logits, boundary, n_nodes) if n_nodes > 0 else None
+        tree = None
+        if fused:
+            tree = _compiled_draft(spec, drafter, compiled, shape, root_logits, boundary, reseed, P)
+        elif n_nodes > 0:
+            if reseed is not None:
+                root_logits, boundary = drafter.reseed(*reseed)
+            tree = propose(drafter, root_logits, boundary, n_nodes)
         prof.toc("draft")
         N = tree.size if tree is not None else 0
-        tokens = anchor if tree is None else torch.cat([anchor, tree.tokens[None]], dim=1)
-        rope = pos[P:P + 1] if tree is None else P + tree.depth
-        mask = None if tree is None else torch.cat(
-            [tree.mask.new_ones(N + 1, P), tree.mask], dim=1)  # (N+1, P+N+1)
-        logits, taps = target.forward_logits_taps(tokens, pos[P:P + N + 1], spec.target_cache,
-                                                  kv_len=P + N + 1, attn_mask=mask, rope_pos=rope)
-        stats["target_forwards"] += 1
-        logits = logits[0]  # (N+1, V)
+        p0 = pos[P:P + 1]
         if tree is None:
-            path, nxt = [], int(pick(logits[0]))
+            logits, taps = target.forward_logits_taps(anchor, p0, spec.target_cache, kv_len=P + 1)
+            feats = None
+        elif fused:
+            verify_ids, feats = compiled.tree_verify(anchor, tree, p0, P + N + 1)
+            logits = None
         else:
-            host = torch.cat([logits.argmax(-1), tree.tokens, tree.parents]).tolist()  # one sync
-            verify_ids, toks, parents = host[:N + 1], host[N + 1:2 * N + 1], host[2 * N + 1:]
+            logits, taps = verify_tree(target, spec.target_cache, anchor, tree, p0,
+                                       slots_upto(P + N + 1))
+            feats = None
+        stats["target_forwards"] += 1
+        if tree is None:
+            path, nxt = [], int(pick(logits[0, 0]))
+        else:
+            ids = verify_ids if fused else logits[0].argmax(-1)
+            host = torch.cat([ids, tree.tokens, tree.parents]).tolist()  # one sync
+            v, toks, parents = host[:N + 1], host[N + 1:2 * N + 1], host[2 * N + 1:]
             if sampler is None:
-                path = greedy_path(verify_ids, toks, parents)
-                nxt = verify_ids[path[-1] if path else 0]
+                path = greedy_path(v, toks, parents)
+                nxt = v[path[-1] if path else 0]
             elif tree.q is not None:
-                a, nxt = speculative_accept(sampler, sampler.probs(logits), tree.tokens, tree.q)
+                a, nxt = speculative_accept(sampler, sampler.probs(logits[0]), tree.tokens, tree.q)
                 path = list(range(1, a + 1))
             else:
-                path, nxt = tree_accept(sampler, sampler.probs(logits), toks, parents)
+                path, nxt = tree_accept(sampler, sampler.probs(logits[0]), toks, parents)
         prof.toc("verify", syncs=1)
         a = len(path)
         if path != list(range(1, a + 1)):  # accepted nodes' K/V to contiguous slots
@@ -353,10 +410,34 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
         if out[-1] in stop_ids or len(out) >= max_new_tokens:
             break
         anchor = torch.tensor([[nxt]])
-        if n_nodes > 0 and max_len - (P + a + 1) - 2 > 0:  # the next round drafts: reseed
-            prof.tic()
-            seed = torch.tensor([emitted])  # (1, a+1): accepted tokens and the next anchor
-            feats = spec._fuse(taps[:, [0] + path])  # (1, a+1, H)
-            root_logits, boundary = drafter.reseed(seed, feats, P)
-            prof.toc("draft")
+        if tree is not None:  # the next round reseeds the draft from the accepted path
+            rows = [0] + path
+            f = feats[:, rows] if feats is not None else spec._fuse(taps[:, rows])  # (1, a+1, H)
+            reseed = (torch.tensor([emitted]), f, P)
     return out
+
+
+def _compiled_draft(spec: Eagle3Speculator, drafter: TreeDrafter, compiled: Any, shape: TreeShape,
+                    root_logits: torch.Tensor, boundary: torch.Tensor, reseed: tuple | None,
+                    P: int) -> DraftTree:
+    """Reseed (if any) and draft a full-size tree in one compiled graph. The reseed runs over a
+    fixed depth + 1 rows: rows past the accepted path repeat its last token and feature at
+    slots the tree then overwrites (or never attends to)."""
+    k, depth = shape.top_k, min(shape.depth, shape.total_tokens)  # as draft_tree expands it
+    scratch = k * (depth - 1)
+    if reseed is None:  # the first round: the prompt's reseed already ran (eagerly)
+        drafter.cache.claim(P, scratch)
+        tree = compiled.tree(root_logits, boundary, P, P + scratch, k, depth, shape.total_tokens)
+    else:
+        tokens, feats, start = reseed
+        a = tokens.shape[1] - 1
+        R = depth + 1
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(1, R - a - 1)], dim=1)
+        feats = torch.cat([feats, feats[:, -1:].expand(1, R - a - 1, -1)], dim=1)
+        kv_len = max(start + R, P + scratch)
+        drafter.cache.truncate(start)
+        drafter.cache.claim(start, kv_len - start)
+        tree = compiled.reseed_tree(tokens, feats, start, a, P, kv_len, k, depth, shape.total_tokens)
+    drafter.cache.truncate(P)
+    drafter.length = P
+    return tree
