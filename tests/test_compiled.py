@@ -177,3 +177,16 @@ def test_compiled_tree_is_lossless_to_the_cache_end(dirs, mode):
     # case compiles them), none added for new positions or prompts.
     assert len(verified) > 20
     assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+
+
+def test_compiled_tree_random_head_on_gemma2(dirs):
+    """A random head whose attention matters (the forced heads' does not), on a target with
+    soft-capping and sliding windows: compiled trees stay lossless to the cache end."""
+    t = load_target(dirs["gemma2"], max_seq_len=MAX_LEN)
+    head = random_head(t, taps=(1, 3, 5), scale=0.3)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    for p in prompts(3, seed=6, V=t.config.vocab_size):
+        for n in (12, MAX_LEN - len(p)):
+            r = spec.generate(p, n, tree={"top_k": 3, "depth": 5, "total_tokens": 12}, stop_token_ids=[])
+            assert r.token_ids == plain(t, p, n), (p, n)

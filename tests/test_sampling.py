@@ -67,6 +67,7 @@ def test_check_sampling():
     assert check_sampling(0, 1.0, 0, None).greedy
     assert check_sampling(0.7, 0.9, 5, 3) == SamplingParams(0.7, 0.9, 5, 3)
     for args, msg in [((-1, 1, 0, None), "temperature"), ((float("nan"), 1, 0, None), "temperature"),
+                      ((1e-39, 1, 0, None), "temperature"),
                       ((1, 0, 0, None), "top_p"), ((1, 1.5, 0, None), "top_p"),
                       ((1, 1, -2, None), "top_k"), ((1, 1, 2.0, None), "top_k"),
                       ((1, 1, 0, -1), "seed"), ((1, 1, 0, "x"), "seed")]:
@@ -162,7 +163,9 @@ def tiny(tmp_path_factory):
     t = load_target(d)
     head = random_head(t, taps=(1, 3, 5), scale=0.5, seed=2)
     attach_head(head, t)
-    return t, head
+    reduced = random_head(t, taps=(1, 3, 5), scale=0.5, seed=3, draft_vocab_size=8)
+    attach_head(reduced, t)
+    return t, head, reduced
 
 
 @torch.no_grad()
@@ -182,8 +185,15 @@ def exact_distribution(target, prompt: list[int], params: SamplingParams) -> dic
     return probs
 
 
-MODES = {"plain": dict(), "chain": dict(num_draft_tokens=2), "tree": dict(tree=dict(top_k=3, depth=3,
-                                                                                   total_tokens=8))}
+TREE = dict(tree=dict(top_k=3, depth=3, total_tokens=8))
+MODES = {"plain": dict(), "chain": dict(num_draft_tokens=2), "tree": TREE,
+         "chain_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE}
+
+
+def spec_for(tiny, mode: str) -> Eagle3Speculator:
+    target, head, reduced = tiny
+    return Eagle3Speculator(target, None if mode == "plain" else
+                            reduced if mode.endswith("reduced_vocab") else head)
 
 
 @pytest.mark.slow
@@ -191,8 +201,8 @@ MODES = {"plain": dict(), "chain": dict(num_draft_tokens=2), "tree": dict(tree=d
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=6)],
                          ids=["t1", "t0.8-p0.85-k6"])
 def test_speculative_sampling_matches_the_exact_distribution(tiny, mode, params):
-    target, head = tiny
-    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    target = tiny[0]
+    spec = spec_for(tiny, mode)
     prompt = [3, 7, 1]
     want = exact_distribution(target, prompt, params)
     n = 1500
@@ -212,14 +222,13 @@ def test_speculative_sampling_matches_the_exact_distribution(tiny, mode, params)
         for seq in outputs:
             counts[seq[span]] = counts.get(seq[span], 0) + 1
         assert chi_square_p(counts, pair_want, n) > 1e-3, span
-    if mode != "plain":
+    if mode != "plain" and params.top_k == 0:  # (top-k 6 leaves the reduced head nothing)
         assert accepted > n // 10  # hundreds of accepted drafts: the rules were exercised
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_same_seed_same_output(tiny, mode):
-    target, head = tiny
-    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    spec = spec_for(tiny, mode)
     run = lambda seed: spec.generate([1, 2, 3], 12, temperature=1.0, seed=seed, stop_token_ids=[],  # noqa: E731
                                      **MODES[mode]).token_ids
     assert run(7) == run(7)
@@ -229,9 +238,27 @@ def test_same_seed_same_output(tiny, mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_top_k_one_is_greedy(tiny, mode):
     """top_k=1 (or a tiny top_p) leaves the argmax only: sampling must equal greedy decoding."""
-    target, head = tiny
-    spec = Eagle3Speculator(target, None if mode == "plain" else head)
+    target = tiny[0]
+    spec = spec_for(tiny, mode)
     greedy = Eagle3Speculator(target).generate([4, 5], 15, stop_token_ids=[]).token_ids
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
         got = spec.generate([4, 5], 15, temperature=1.0, seed=0, stop_token_ids=[], **kw, **MODES[mode])
         assert got.token_ids == greedy
+
+
+def test_sampling_to_the_cache_end_with_stop_ids(tiny):
+    """Sampled chains and trees run to the cache's last slot (shrinking drafts), and stop after
+    the first stop id exactly as plain sampling's semantics say."""
+    target, head, _ = tiny
+    spec = Eagle3Speculator(target, head)
+    room = target.config.max_seq_len - 3
+    for kw in (dict(num_draft_tokens=3), TREE):
+        r = spec.generate([1, 2, 3], room, temperature=1.0, seed=5, stop_token_ids=[], **kw)
+        assert len(r.token_ids) == room
+        s = r.stats
+        assert s["rounds"] == sum(s["accept_len_hist"]) and s["accepted_tokens"] == sum(
+            s["accepted_per_position"])
+        stop = r.token_ids[10]
+        cut = spec.generate([1, 2, 3], room, temperature=1.0, seed=5, stop_token_ids=[stop], **kw)
+        first = r.token_ids.index(stop)
+        assert cut.token_ids == r.token_ids[:first + 1]  # same draws up to the stop

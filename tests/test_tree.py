@@ -15,10 +15,19 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.decoding.tree import DEFAULT_TREE, TreeDrafter, TreeShape, greedy_path, parse_tree, select_tree
+from eagle3.decoding.tree import (
+    DEFAULT_TREE,
+    DraftTree,
+    TreeDrafter,
+    TreeShape,
+    greedy_path,
+    parse_tree,
+    select_tree,
+    speculative_generate,
+)
 from eagle3.draft import attach_head, random_head
 from eagle3.errors import Eagle3Error
-from eagle3.speculator import Eagle3Speculator
+from eagle3.speculator import Eagle3Speculator, empty_stats
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
 
@@ -32,7 +41,7 @@ SHAPES = [dict(top_k=1, depth=1, total_tokens=1), dict(top_k=2, depth=3, total_t
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tree")
     out = {}
-    for name in ("llama", "qwen2", "gemma2"):
+    for name in ("llama", "qwen2", "gemma2", "mistral", "gemma3"):
         d = str(root / name)
         make_hf_model(name, seed=3).save_pretrained(d)
         out[name] = d
@@ -337,3 +346,47 @@ def test_cli_tree_and_sampling(dirs, bigram, tmp_path, capsys):
                        (["--tree-total-tokens", "500"], "more than the")]:
         code, err = run(*extra)
         assert code == 2 and msg in err and "Traceback" not in err, (extra, err)
+
+
+def oracle_tree(tokens: list[int], parents: list[int]) -> DraftTree:
+    depth = [0]
+    for par in parents:
+        depth.append(depth[par] + 1)
+    up = torch.tensor([0] + parents)
+    mask = torch.eye(len(tokens) + 1, dtype=torch.bool)
+    for _ in range(len(tokens)):
+        mask = mask | mask[up]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), mask)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3"])
+def test_deep_paths_through_second_children_on_real_attention(dirs, name):
+    """Trees that put the target's own continuation, 10 deep, under a decoy first child: every
+    round accepts a non-contiguous path through real attention layers (sliding windows of 7
+    < the depth), so the tree mask, RoPE and window positions and the compaction all matter."""
+    t = load_target(dirs[name])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))
+    prompt = [5, 9, 11, 3, 7, 1, 2]
+    n, new, D = len(prompt), 60, 10
+    full = plain(t, prompt, new)
+
+    def propose(drafter, root_logits, boundary, n_nodes):
+        i = drafter.length - n  # the anchor is full[i]
+        true = full[i + 1:i + 1 + D]
+        tokens = [(true[0] + 1) % V] + true  # node 1: a decoy; nodes 2..: the continuation
+        parents = [0, 0] + list(range(2, len(true) + 1))
+        return oracle_tree(tokens[:n_nodes], parents[:n_nodes])
+
+    stats = empty_stats()
+    got = speculative_generate(spec, prompt, new, frozenset(), stats, propose, D + 1, D)
+    assert got == full
+    assert stats["accept_len_hist"][D] >= 4  # full-depth paths through the second child
+
+
+def test_api_argument_errors(dirs):
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))
+    with pytest.raises(Eagle3Error, match="with tree= set, leave it None"):
+        spec.generate([1, 2], 4, tree=True, num_draft_tokens=3)
+    with pytest.raises(Eagle3Error, match="temperature must be 0"):
+        spec.generate([1, 2], 4, temperature=1e-39)

@@ -219,6 +219,9 @@ class Eagle3Speculator:
         k = check_num_draft_tokens(num_draft_tokens)
         params = check_sampling(temperature, top_p, top_k, seed)
         shape = parse_tree(tree)
+        if shape is not None and k is not None:
+            raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
+                              "None (the tree's depth and total_tokens size the draft)")
         try:
             stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
                                                  else stop_token_ids))

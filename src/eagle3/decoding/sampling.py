@@ -27,6 +27,8 @@ import torch
 
 from ..errors import Eagle3Error
 
+MIN_TEMPERATURE = 1e-4  # below this, logits / T overflows float32 for typical logits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,8 +45,9 @@ class SamplingParams:
 def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any) -> SamplingParams:
     """Validate the sampling arguments (one clear error each)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            temperature >= 0.0 and temperature != float("inf")):
-        raise Eagle3Error(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+            temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
+        raise Eagle3Error(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE:g}, "
+                          f"got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise Eagle3Error(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:

@@ -190,7 +190,7 @@ class TreeDrafter:
         for i in range(k):
             q_draft = sampler.probs(logits[-1])  # (Vd,)
             tok = self.draft.to_target_ids(sampler.sample(q_draft)).view(1, 1)
-            q = q_draft.new_zeros(V).index_copy_(0, self.draft.to_target_ids(
+            q = q_draft.new_zeros(V).index_add_(0, self.draft.to_target_ids(
                 torch.arange(q_draft.shape[0], device=q_draft.device)), q_draft)
             drafts.append(tok)
             qs.append(q)
@@ -258,12 +258,16 @@ def verify_tree(target: Any, cache: Any, anchor: torch.Tensor, tree: DraftTree, 
     arange(p0 + N + 1). Returns (logits (1, N+1, V), taps)."""
     T = tree.size + 1
     cols = key_slots[None, :] - p0  # (1, S): a slot's node index (< 0: committed)
-    node_mask = tree.mask.gather(1, cols.clamp(0, T - 1).expand(T, -1))  # (T, S)
+    node = cols.clamp(0, T - 1)
+    node_mask = tree.mask.gather(1, node.expand(T, -1))  # (T, S)
     mask = (cols < 0) | ((cols < T) & node_mask)
     tokens = torch.cat([anchor, tree.tokens[None]], dim=1)  # (1, T)
     slots = p0 + torch.arange(T, device=anchor.device)
+    rope = p0 + tree.depth  # (T,)
+    # Sliding windows compare positions: a node's key sits at its slot but has its depth's.
+    key_pos = torch.where(cols[0] < 0, key_slots, rope[node[0]])  # (S,)
     return target.forward_logits_taps(tokens, slots, cache, key_slots=key_slots, attn_mask=mask,
-                                      rope_pos=p0 + tree.depth)
+                                      rope_pos=rope, key_pos=key_pos)
 
 
 def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
@@ -374,8 +378,9 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
             path, nxt = [], int(pick(logits[0, 0]))
         else:
             ids = verify_ids if fused else logits[0].argmax(-1)
-            host = torch.cat([ids, tree.tokens, tree.parents]).tolist()  # one sync
-            v, toks, parents = host[:N + 1], host[N + 1:2 * N + 1], host[2 * N + 1:]
+            host = torch.cat([ids, tree.tokens, tree.parents, tree.depth[1:]]).tolist()  # one sync
+            v, toks = host[:N + 1], host[N + 1:2 * N + 1]
+            parents, depths = host[2 * N + 1:3 * N + 1], host[3 * N + 1:]
             if sampler is None:
                 path = greedy_path(v, toks, parents)
                 nxt = v[path[-1] if path else 0]
@@ -394,9 +399,9 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
         room = max_new_tokens - len(out) - 1
         if tree is not None and room > 0:
             a_used = min(a, room)
-            deepest = min(int(tree.depth.max()), room)
+            deepest = min(max(depths), room)
             stats["rounds"] += 1
-            stats["draft_tokens"] += N
+            stats["draft_tokens"] += sum(d <= room for d in depths)
             stats["accepted_tokens"] += a_used
             hist[a_used] += 1
             for i in range(a_used):

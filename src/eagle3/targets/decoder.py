@@ -284,11 +284,14 @@ class NativeTarget(nn.Module):
                             attn_mask: torch.Tensor | None = None,
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
                             with_taps: bool = True, key_slots: torch.Tensor | None = None,
+                            key_pos: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments.
 
         `key_slots` = arange(kv_len), an alternative to `kv_len` for compiled callers: its
         length can be marked dynamic, so one compiled graph serves every cache length.
+        `key_pos` (kv_len,): the positions of the keys in those slots, for sliding windows
+        (default: the slots themselves; a tree's node slots run ahead of their positions).
         """
         if key_slots is None:
             key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
@@ -297,15 +300,14 @@ class NativeTarget(nn.Module):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         rp = input_pos if rope_pos is None else rope_pos
-        # One (T, S) mask per distinct window; True = may attend. The window is measured from
-        # the query's position `rp`, not its slot: tree slots run ahead of their positions (a
-        # committed key's slot is its position; a tree key's slot is >= its position).
-        key_pos = key_slots[None, :]
+        # One (T, S) mask per distinct window; True = may attend. Windows compare positions,
+        # not slots: a tree node's slot runs ahead of its position.
+        kp = (key_slots if key_pos is None else key_pos)[None, :]
         masks = []
         for w in self.windows:
-            m = key_pos <= input_pos[:, None] if attn_mask is None else attn_mask
+            m = key_slots[None, :] <= input_pos[:, None] if attn_mask is None else attn_mask
             if w is not None:
-                m = m & (key_pos > rp[:, None] - w)
+                m = m & (kp > rp[:, None] - w)
             masks.append(m)
         rot = [r(rp, h.dtype) for r in self.ropes]
 

@@ -65,7 +65,10 @@ class TapTarget(Protocol):
     `(logits (B,T|1,V), taps (B,T,n_taps*H) or None)`. `input_pos` are the cache
     slots written (== RoPE positions unless `rope_pos` is given); `kv_len` bounds
     the slots attended to (an eager speed-up; None = the whole cache);
-    `attn_mask` (T, kv_len) bool replaces the causal mask (tree verification).
+    `attn_mask` (T, kv_len) bool replaces the causal mask (tree verification);
+    `key_pos` (kv_len,) gives the cached keys' positions for sliding windows when
+    they differ from their slots (tree nodes). Tree verification also needs
+    `compact_cache(cache, src_slots, dst_start)`; targets without it run chains.
     """
 
     config: Any
