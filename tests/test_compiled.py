@@ -190,3 +190,20 @@ def test_compiled_tree_random_head_on_gemma2(dirs):
         for n in (12, MAX_LEN - len(p)):
             r = spec.generate(p, n, tree={"top_k": 3, "depth": 5, "total_tokens": 12}, stop_token_ids=[])
             assert r.token_ids == plain(t, p, n), (p, n)
+
+
+def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
+    """After the first automatic generation (which measures the cost model and warms every K's
+    graphs), a generation that switches through every K compiles nothing new."""
+    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    p = prompts(1, seed=12, V=t.config.vocab_size)[0][:5]
+    assert spec.generate(p, 8, stop_token_ids=[]).token_ids == plain(t, p, 8)
+    counters.clear()
+    choices = itertools.cycle([8, 1, 5, 2, 7, 3, 6, 4])
+    monkeypatch.setattr(spec.auto, "choose", lambda: next(choices))
+    for n in (30, MAX_LEN - len(p)):
+        assert spec.generate(p, n, stop_token_ids=[]).token_ids == plain(t, p, n)
+    assert counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .decoding.autok import AUTO_MAX_K, AutoK, measure_cost
+from .decoding.autok import AUTO_MAX_K, AutoK, measure_cost, warm_auto_graphs
 from .decoding.chain import chain_generate
 from .decoding.plain import plain_greedy
 from .decoding.sampling import Sampler, check_sampling
@@ -260,6 +260,8 @@ class Eagle3Speculator:
                     probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
                     self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)),
                                                    repeats=5))
+                    if self.compiled is not None:
+                        warm_auto_graphs(self, ids[:max(1, self.max_seq_len - 2 * AUTO_MAX_K - 2)])
                 if sampler is None:
                     tokens = chain_generate(self, ids, max_new_tokens, k, stop, stats, self.auto)
                 else:

@@ -74,6 +74,31 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int],
             "draft_step_ms": draft * 1e3, "draft_step_over_target_forward": draft / med[1]}
 
 
+@torch.no_grad()
+def warm_auto_graphs(spec: Eagle3Speculator, prompt: list[int]) -> None:
+    """Compile, once, the chain graphs of every K that auto may choose: the first round's
+    chain and the rebuild + chain of later rounds (AUTO_MAX_K + 1 rows). Without this, a
+    K chosen for the first time compiles inside a generation (seconds per graph)."""
+    from .chain import ChainDrafter  # chain.py imports this module
+
+    rows = AUTO_MAX_K + 1
+    n = len(prompt)
+    pos = slots_upto(spec.max_seq_len)
+    x = torch.tensor([prompt])
+    spec.reset_caches()
+    tok, feat = spec.prefill(x, pos[:n], kv_len=n)
+    anchor = tok.view(1, 1)
+    drafter = ChainDrafter(spec, pos)
+    first, boundary = drafter.prefill_prompt(torch.cat([x[:, 1:], anchor], dim=1), feat)
+    _, vfeat = spec.target_verify(anchor.expand(1, rows), pos[n:n + rows], kv_len=n + rows)
+    for k in range(1, AUTO_MAX_K + 1):
+        drafter.chain_round(first, boundary, k)
+        drafter.chain_after_verify(anchor.expand(1, rows - 1), 0, anchor, vfeat, n, k, rows)
+        drafter.length = n
+        spec.draft_cache.truncate(n)
+    spec.reset_caches()
+
+
 def predicted_speedup(tau: float, k: int, cost: dict[str, Any]) -> float | None:
     """tau / (cost(K+1)/cost(1) + K * draft/target); None when cost(K+1) was not measured."""
     ratio = cost["verify_cost_ratio"].get(str(k + 1))
