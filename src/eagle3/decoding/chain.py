@@ -35,6 +35,28 @@ if TYPE_CHECKING:
     from .autok import AutoK
 
 
+def record_round(stats: dict, drafted: int, accepted: int, deepest: int) -> None:
+    """Count one verify round: `drafted` emittable draft tokens, `accepted` of them accepted,
+    drafts reaching position `deepest` (the chain's length; a tree's depth)."""
+    stats["rounds"] += 1
+    stats["draft_tokens"] += drafted
+    stats["accepted_tokens"] += accepted
+    stats["accept_len_hist"][accepted] += 1
+    for i in range(accepted):
+        stats["accepted_per_position"][i] += 1
+    for i in range(deepest):
+        stats["drafted_per_position"][i] += 1
+
+
+def emit(out: list[int], tokens: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
+    """Append `tokens` to `out` up to the first stop id or max_new_tokens; True when done."""
+    for t in tokens:
+        out.append(t)
+        if t in stop_ids or len(out) == max_new_tokens:
+            return True
+    return False
+
+
 def granted_drafts(k: int, cur_len: int, max_len: int) -> int:
     """Draft tokens a round may verify: a round that drafts k may commit k+1 tokens."""
     return max(0, min(k, max_len - cur_len - 1))
@@ -142,9 +164,9 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
     spec.reset_caches()
     drafter = ChainDrafter(spec, pos)
     prompt = torch.tensor([prompt_ids])
-    per_pos = stats["accepted_per_position"] = [0] * k_max
-    drafted = stats["drafted_per_position"] = [0] * k_max  # rounds near the end draft fewer
-    hist = stats["accept_len_hist"] = [0] * (k_max + 1)
+    stats["accepted_per_position"] = [0] * k_max
+    stats["drafted_per_position"] = [0] * k_max  # rounds near the end draft fewer
+    stats["accept_len_hist"] = [0] * (k_max + 1)
     prof = active()  # times phases and counts host syncs inside `profiling()`; else no-ops
     # Compiled steps keep k fixed (one shape) until the cache's end; tokens past
     # max_new_tokens are then verified and dropped (and left out of the stats). Under
@@ -188,21 +210,10 @@ def chain_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_tokens
         k_used = min(k, max_new_tokens - len(out) - 1)
         a_used = min(a, k_used)
         if k_used > 0:
-            stats["rounds"] += 1
-            stats["draft_tokens"] += k_used
-            stats["accepted_tokens"] += a_used
-            hist[a_used] += 1
-            for i in range(a_used):
-                per_pos[i] += 1
-            for i in range(k_used):
-                drafted[i] += 1
+            record_round(stats, k_used, a_used, k_used)
             if automatic and stats["rounds"] % REPICK_EVERY == 0:
                 k_choice = stats["num_draft_tokens"] = auto.choose()
-        for t in d[:a] + [v[a]]:
-            out.append(t)
-            if t in stop_ids or len(out) == max_new_tokens:
-                break
-        if out[-1] in stop_ids or len(out) >= max_new_tokens:
+        if emit(out, d[:a] + [v[a]], stop_ids, max_new_tokens):
             break
         anchor = verify_ids[:, a:a + 1]
         start, cur = cur - 1, cur + a + 1

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import Eagle3Error
 from ..targets.decoder import slots_upto
+from .chain import emit, record_round
 from .profile import active
 from .sampling import Sampler, speculative_accept, tree_accept
 
@@ -186,12 +187,13 @@ class TreeDrafter:
         P = self.length
         V = self.spec.target.config.vocab_size
         logits, feature = root_logits[None], boundary
+        target_ids = self.draft.to_target_ids(torch.arange(root_logits.shape[-1],
+                                                           device=root_logits.device))  # (Vd,)
         drafts, qs = [], []
         for i in range(k):
             q_draft = sampler.probs(logits[-1])  # (Vd,)
-            tok = self.draft.to_target_ids(sampler.sample(q_draft)).view(1, 1)
-            q = q_draft.new_zeros(V).index_add_(0, self.draft.to_target_ids(
-                torch.arange(q_draft.shape[0], device=q_draft.device)), q_draft)
+            tok = target_ids[sampler.sample(q_draft)].view(1, 1)
+            q = q_draft.new_zeros(V).index_add_(0, target_ids, q_draft)
             drafts.append(tok)
             qs.append(q)
             if i < k - 1:
@@ -326,9 +328,9 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
     spec.reset_caches()
     drafter = TreeDrafter(spec)
     prompt = torch.tensor([prompt_ids])
-    per_pos = stats["accepted_per_position"] = [0] * depth
-    drafted = stats["drafted_per_position"] = [0] * depth
-    hist = stats["accept_len_hist"] = [0] * (depth + 1)
+    stats["accepted_per_position"] = [0] * depth
+    stats["drafted_per_position"] = [0] * depth
+    stats["accept_len_hist"] = [0] * (depth + 1)
     prof = active()
     pick = (lambda lg: lg.argmax(-1)) if sampler is None else (
         lambda lg: sampler.sample(sampler.probs(lg)))
@@ -398,21 +400,8 @@ def speculative_generate(spec: Eagle3Speculator, prompt_ids: list[int], max_new_
         # Stats count what could be emitted: nodes past max_new_tokens are not.
         room = max_new_tokens - len(out) - 1
         if tree is not None and room > 0:
-            a_used = min(a, room)
-            deepest = min(max(depths), room)
-            stats["rounds"] += 1
-            stats["draft_tokens"] += sum(d <= room for d in depths)
-            stats["accepted_tokens"] += a_used
-            hist[a_used] += 1
-            for i in range(a_used):
-                per_pos[i] += 1
-            for i in range(deepest):
-                drafted[i] += 1
-        for t in emitted:
-            out.append(t)
-            if t in stop_ids or len(out) == max_new_tokens:
-                break
-        if out[-1] in stop_ids or len(out) >= max_new_tokens:
+            record_round(stats, sum(d <= room for d in depths), min(a, room), min(max(depths), room))
+        if emit(out, emitted, stop_ids, max_new_tokens):
             break
         anchor = torch.tensor([[nxt]])
         if tree is not None:  # the next round reseeds the draft from the accepted path
