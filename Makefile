@@ -8,9 +8,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. Named again
+	# below so that no extra (executorch, torchao) can move it.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,export]" torch==2.13.0
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -34,13 +34,13 @@ def make_bigram(model) -> None:
                 p.zero_()
 
 
-def save_bigram_target(path: str, name: str = "llama") -> str:
+def save_bigram_target(path: str, name: str = "llama", **overrides) -> str:
     """Save a bigram `name` model at `path` (untied, so greedy paths vary; wide, so the
     forced heads' lookups have a wide margin: noise ~ sqrt(V) / H). Returns `path`."""
     from conftest import make_hf_model
 
-    m = make_hf_model(name, seed=2, tie_word_embeddings=False, hidden_size=128,
-                      num_attention_heads=4, head_dim=32)
+    m = make_hf_model(name, seed=2, **{"tie_word_embeddings": False, "hidden_size": 128,
+                                       "num_attention_heads": 4, "head_dim": 32, **overrides})
     make_bigram(m)
     m.save_pretrained(path)
     return path

@@ -202,6 +202,9 @@ def test_bad_input_is_one_line_and_exit_2(dirs, tmp_path, capsys, monkeypatch):
         (["--peers", "assisted"], "needs --assistant"),
         (["--assistant", str(tmp_path)], "not a checkpoint directory"),
         (["--repeats", "0"], "--repeats"),
+        (["--backend", "eager,executorch"], "needs --program"),
+        (["--backend", "eager,native"], "--backend takes"),
+        (["--backend", "gpu"], "--backend takes"),
     ]
     for extra, want in cases:
         assert main(base + extra) == 2, extra

@@ -14,11 +14,14 @@ from .tokenizer import load_tokenizer
 
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
          backend: str = "auto", max_seq_len: int | None = None, taps=None,
-         compile: bool = False) -> Eagle3Speculator:
+         compile: bool = False, program: str | None = None) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
     draft: a head directory; None (the default head for 'default', else no
-    speculation); or 'none' (plain decoding). backend: 'auto' | 'native' | 'hf'.
+    speculation); or 'none' (plain decoding). backend: 'auto' | 'native' | 'hf' |
+    'executorch' (an exported program: `program` = the `eagle3 export --out` directory,
+    which holds the target and head; `target` then only names the tokenizer when the
+    program directory has none, and draft='none' decodes plainly).
     taps: target layers feeding the head (default: the head config's ids, else
     (2, L//2, L-3)); tap k = hidden state entering layer k. compile: run the
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
@@ -29,6 +32,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
 
     if not isinstance(target, str) or not target:
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
+    if backend == "executorch" or program is not None:
+        return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program)
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")
     if compile and backend == "hf":
@@ -51,3 +56,29 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     tdir = default_target_dir() if target == "default" else target
     spec = Eagle3Speculator(tgt, head, load_tokenizer(tdir))
     return spec.compile() if compile else spec
+
+
+def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program) -> Eagle3Speculator:
+    from .default import default_target_dir
+    from .export.runtime import load_program
+
+    if backend != "executorch":
+        raise Eagle3Error("program= runs an exported program: pass backend='executorch' with it")
+    if program is None:
+        raise Eagle3Error("backend 'executorch' needs program=DIR, the --out directory of `eagle3 export`")
+    if compile:
+        raise Eagle3Error("compile applies to the eager backend; an exported program is already lowered")
+    if taps is not None or max_seq_len is not None:
+        raise Eagle3Error("taps and max_seq_len are fixed when a program is exported; "
+                          "export again to change them")
+    if dtype is not None and resolve_dtype(dtype) != torch.float32:
+        raise Eagle3Error("exported programs run in float32 (weight-only quantization is chosen at "
+                          "export); drop dtype")
+    if draft not in (None, "none"):
+        raise Eagle3Error("the exported program holds its head: pass draft=None (speculate) or "
+                          "'none' (plain decoding)")
+    tdir = default_target_dir() if target == "default" else target
+    tokenizer = None
+    if not os.path.isfile(os.path.join(str(program), "tokenizer.json")) and os.path.isdir(tdir):
+        tokenizer = load_tokenizer(tdir)
+    return load_program(program, tokenizer, speculate=draft != "none")

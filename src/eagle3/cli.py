@@ -27,13 +27,23 @@ def _num_draft_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
 
 
-def _add_target_args(p: argparse.ArgumentParser) -> None:
+def _add_target_args(p: argparse.ArgumentParser, backends: bool = False) -> None:
     p.add_argument("--target", default="default",
                    help="target checkpoint directory (Hugging Face layout) or 'default' (the "
                         "embedded model; default)")
-    p.add_argument("--backend", default="auto", choices=("auto", "native", "hf"),
-                   help="native PyTorch target, the transformers adapter, or auto (native when "
-                        "the architecture is supported)")
+    if backends:  # bench: a comma-separated list, run side by side
+        p.add_argument("--backend", default="auto", metavar="eager,executorch",
+                       help="backends to measure side by side, comma-separated: eager (= auto: the "
+                            "native PyTorch target when supported), native, hf (the transformers "
+                            "adapter), executorch (the exported program --program DIR); speedups "
+                            "are against the first one's plain decoding (default auto)")
+    else:
+        p.add_argument("--backend", default="auto", choices=("auto", "native", "hf", "executorch"),
+                       help="native PyTorch target, the transformers adapter, auto (native when "
+                            "the architecture is supported), or executorch (an exported program: "
+                            "--program DIR)")
+    p.add_argument("--program", default=None, metavar="DIR",
+                   help="with --backend executorch: the --out directory of `eagle3 export`")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
@@ -43,7 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import eagle3
 
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile)
+                       max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile,
+                       program=args.program)
     tok = spec.tokenizer
     if args.prompt_ids is not None:
         if args.prompt is not None:
@@ -102,11 +113,7 @@ def _compare_plain(spec, ids, args, result, stats: dict) -> None:
     """Time plain decoding of the same request in this process (A B A B, medians)."""
     import statistics
 
-    from .speculator import Eagle3Speculator
-
-    plain = Eagle3Speculator(spec.target, None, spec.tokenizer)
-    if spec.compiled is not None:  # like for like
-        plain.compile()
+    plain = spec.plain()  # like for like: the same backend
     kw = _decoding_kwargs(args)
     plain_kw = {k: v for k, v in kw.items() if k not in ("num_draft_tokens", "tree")}
     spec_times, plain_times, same = [], [], True
@@ -154,6 +161,30 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         print(f"eagle3: trained {report['steps']} steps; final loss {report['final_loss']:.3f}; "
               f"top-1 per step [{acc}]; head in {args.out}/head (official) and "
               f"{args.out}/head-speculators")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import eagle3
+
+    from .default import default_target_dir
+    from .export import export_program
+
+    if args.backend not in ("auto", "native"):
+        raise Eagle3Error("export lowers the native PyTorch target: use --backend native or auto")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
+                       max_seq_len=args.max_seq_len, taps=args.taps)
+    tdir = default_target_dir() if args.target == "default" else args.target
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(f"eagle3: {msg}", file=sys.stderr))
+    export_program(spec, args.out, max_seq_len=args.max_seq_len,
+                          max_draft_tokens=args.max_draft_tokens, quantize=args.quantize,
+                          source={"target": args.target, "draft": args.draft}, tokenizer_dir=tdir,
+                          log=log)
+    print(args.out)
     return 0
 
 
@@ -282,6 +313,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch threads per process")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_draft)
+
+    e = sub.add_parser("export", help="export target + head to an ExecuTorch program (XNNPACK)",
+                       description="torch.export the speculator's prefill / target_verify / "
+                       "draft_decode / decode methods (dynamic lengths, KV caches as buffers shared "
+                       "by every method) and lower them to one ExecuTorch program with the XNNPACK "
+                       "backend: OUT/program.pte, OUT/eagle3_program.json (bounds, taps, vocabulary, "
+                       "d2t) and the target's tokenizer. Run it with `eagle3 generate --backend "
+                       "executorch --program OUT`. Needs pip install 'eagle3[export]'. Lowering "
+                       "takes one to a few minutes.")
+    _add_target_args(e)
+    e.add_argument("--draft", default=None,
+                   help="EAGLE-3 head directory (default: the default head for --target default)")
+    e.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
+                   help="target layers feeding the head (default: the head config's ids)")
+    e.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    e.add_argument("--max-draft-tokens", type=int, default=8, metavar="K",
+                   help="largest chain the exported target_verify accepts (verify over up to K+1 "
+                        "tokens; default 8, the largest automatic K)")
+    e.add_argument("--quantize", default="none", choices=("none", "int8", "int4"),
+                   help="quantize the linear layers: int8 weights per output channel or int4 "
+                        "weights in groups of 32, activations int8 per token at run time "
+                        "(XNNPACK's dynamically quantized linear); default none. Prints the "
+                        "measured logit error")
+    e.add_argument("--threads", type=int, default=None, help="torch threads while exporting")
+    e.add_argument("--quiet", action="store_true", help="no progress lines")
+    e.set_defaults(func=cmd_export)
 
     from .bench.cli import add_parser as add_bench_parser
 

@@ -14,30 +14,14 @@ import torch
 from .errors import Eagle3Error
 
 
-class StaticKVCache:
-    """K/V for `n_layers` layers: `k[layer]`, `v[layer]` are (B, n_kv, S, hd).
+class SlotBook:
+    """Host-side bookkeeping of a cache's filled slots (`length` of `max_len`), with no data:
+    what eager callers check writes against. An exported program's caches live inside the
+    program; the runtime keeps a SlotBook per cache to check its calls the same way."""
 
-    One tensor per layer rather than one (L, ...) tensor: under `torch.compile`
-    an in-place write into a view of a larger input makes inductor copy the
-    whole input back every call; a write into a whole input stays in place.
-    """
-
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
-                 head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+    def __init__(self, max_len: int) -> None:
         self.max_len = max_len
-        # Host-side bookkeeping for eager callers: number of committed positions.
-        self.length = 0
-
-    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv, T, hd) at slots `input_pos` (T,); return the layer's full K, V."""
-        self.k[layer].index_copy_(2, input_pos, k)
-        self.v[layer].index_copy_(2, input_pos, v)
-        return self.k[layer], self.v[layer]
+        self.length = 0  # number of committed positions
 
     def claim(self, start: int, n: int) -> None:
         """Check (host side) that writing slots start..start+n-1 keeps the cache contiguous.
@@ -58,6 +42,30 @@ class StaticKVCache:
         if not 0 <= length <= self.max_len:
             raise ValueError(f"cannot truncate a cache of {self.max_len} slots to {length}")
         self.length = min(self.length, length)
+
+
+class StaticKVCache(SlotBook):
+    """K/V for `n_layers` layers: `k[layer]`, `v[layer]` are (B, n_kv, S, hd).
+
+    One tensor per layer rather than one (L, ...) tensor: under `torch.compile`
+    an in-place write into a view of a larger input makes inductor copy the
+    whole input back every call; a write into a whole input stays in place.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
+                 head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        super().__init__(max_len)
+
+    def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv, T, hd) at slots `input_pos` (T,); return the layer's full K, V."""
+        self.k[layer].index_copy_(2, input_pos, k)
+        self.v[layer].index_copy_(2, input_pos, v)
+        return self.k[layer], self.v[layer]
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""

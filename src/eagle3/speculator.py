@@ -191,6 +191,16 @@ class Eagle3Speculator:
         self.auto = None
         return self
 
+    @property
+    def max_auto_k(self) -> int:
+        """The largest K that num_draft_tokens='auto' may choose."""
+        return AUTO_MAX_K
+
+    def plain(self) -> Eagle3Speculator:
+        """A speculator for plain decoding over the same target (and backend), without the head."""
+        plain = Eagle3Speculator(self.target, None, self.tokenizer)
+        return plain.compile() if self.compiled is not None else plain
+
     def _fuse(self, taps: torch.Tensor | None) -> torch.Tensor | None:
         return self.draft.fuse(taps) if self.draft is not None and taps is not None else taps
 
@@ -243,8 +253,11 @@ class Eagle3Speculator:
             if sampler is None:
                 step = lambda tok, pos, n: self._target(tok, pos, n, with_taps=False,  # noqa: E731
                                                         last_only=True)[0]
+                prefill = lambda tok, pos, n: self._target(tok, pos, n, with_taps=False,  # noqa: E731
+                                                           last_only=True, compiled=False)[0]
                 tokens, stats["target_forwards"] = plain_greedy(
-                    self.target, ids, max_new_tokens, stop, cache=self.target_cache, step=step)
+                    self.target, ids, max_new_tokens, stop, cache=self.target_cache, step=step,
+                    prefill=prefill)
             else:
                 tokens, stats["target_forwards"] = plain_greedy(
                     self.target, ids, max_new_tokens, stop, cache=self.target_cache,
@@ -257,9 +270,10 @@ class Eagle3Speculator:
                                               shape.total_tokens, shape.depth, sampler, shape)
             else:
                 if k is None and sampler is None and self.auto is None:  # measure the costs once
-                    probe = ids[:max(1, self.max_seq_len - AUTO_MAX_K - 2)]  # room for every size
-                    self.auto = AutoK(measure_cost(self, probe, list(range(2, AUTO_MAX_K + 2)),
-                                                   repeats=5))
+                    max_k = self.max_auto_k
+                    probe = ids[:max(1, self.max_seq_len - max_k - 2)]  # room for every size
+                    self.auto = AutoK(measure_cost(self, probe, list(range(2, max_k + 2)), repeats=5),
+                                      max_k)
                     if self.compiled is not None:
                         warm_auto_graphs(self, ids[:max(1, self.max_seq_len - 2 * AUTO_MAX_K - 2)])
                 if sampler is None:

@@ -26,6 +26,8 @@ drafting for each K and tree drafting for each --tree shape, and transformers pe
 each prompt the variants run in turn (A B C A B C ...) after one warm-up pass;
 each repetition totals all prompts and rows report the median over repetitions.
 Every run's tokens are compared with plain greedy decoding in the same run.
+--backend eager,executorch --program DIR adds an exported program's rows
+(`eagle3 export`) to the same interleaved run.
 
 Columns: tok/s; speedup vs plain; model = the speedup the cost model predicts
 from tau; tau (tokens per target forward); accept = accepted / drafted; the
@@ -43,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     b = subparsers.add_parser("bench", help="A/B benchmark: plain vs EAGLE-3 per K vs transformers peers",
                               description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_target_args(b)
+    _add_target_args(b, backends=True)
     b.add_argument("--draft", default=None,
                    help="EAGLE-3 head directory (default: the default head for --target default)")
     b.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
@@ -115,6 +117,23 @@ def parse_trees(text: str) -> list:
                               f"4x8x48, got '{word}'") from None
         shapes.append(parse_tree({"top_k": k, "depth": d, "total_tokens": n}))
     return list(dict.fromkeys(shapes))
+
+
+def parse_backends(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--backend as [(row name, load backend)], checked: at most one eager-type backend
+    (auto / eager, native or hf) and executorch."""
+    words = list(dict.fromkeys(t.strip() for t in args.backend.split(",") if t.strip()))
+    bad = [w for w in words if w not in ("auto", "eager", "native", "hf", "executorch")]
+    eager = [w for w in words if w != "executorch"]
+    if not words or bad or len(eager) > 1:
+        raise Eagle3Error(f"--backend takes a comma-separated list of one of auto/eager/native/hf and/or "
+                          f"executorch (e.g. eager,executorch), got '{args.backend}'")
+    if "executorch" in words and args.program is None:
+        raise Eagle3Error("backend executorch needs --program DIR: run `eagle3 export --out DIR` first")
+    if "executorch" in words and args.compile and not eager:
+        raise Eagle3Error("--compile applies to the eager backend; an exported program is already lowered")
+    return [("executorch", "executorch") if w == "executorch" else
+            ("eager", "auto" if w == "eager" else w) for w in words]
 
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
@@ -228,14 +247,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile)
+    backends = {}
+    for name, backend in parse_backends(args):
+        if name == "executorch":
+            backends[name] = eagle3.load(args.target, "none" if args.draft == "none" else None,
+                                         backend="executorch", program=args.program)
+        else:
+            backends[name] = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=backend,
+                                         max_seq_len=args.max_seq_len, taps=args.taps,
+                                         compile=args.compile)
+    spec = next(iter(backends.values()))
     if spec.draft is None:
         notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
     arms = {}
+    if peer_names and "eager" not in backends:
+        if args.peers is not None:
+            raise Eagle3Error("the transformers peers need the eager backend in --backend; add "
+                              "eager or pass --peers none")
+        notes.append("no eager backend: skipping the transformers peers")
+        peer_names = []
     if peer_names:
-        tgt = spec.target
+        tgt = backends["eager"].target
         model = (tgt.model if isinstance(tgt, HFTarget) else
                  peers.load_model(default_target_dir() if args.target == "default" else args.target,
                                   resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
@@ -246,11 +279,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         notice(note)
     report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                        peers=arms, auto=auto, trees=trees, temperature=args.temperature,
-                       progress=sys.stderr.isatty())
+                       progress=sys.stderr.isatty(), backends=backends)
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
                               compiled=args.compile,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
-                              device=str(spec.target.embedding_weight.device))
+                              device=str(spec.target.embedding_weight.device),
+                              program=args.program)
     report["notes"] = notes
     print(markdown(report))
     if args.json:

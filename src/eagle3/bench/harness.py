@@ -138,8 +138,8 @@ def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dic
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
               repeats: int, peers: dict[str, Arm] | None = None, auto: bool = False,
-              trees: list[Any] = (), temperature: float = 0.0,
-              progress: bool = False) -> dict[str, Any]:
+              trees: list[Any] = (), temperature: float = 0.0, progress: bool = False,
+              backends: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain decoding vs EAGLE-3 chain for each K and each tree shape (and `peers`),
     interleaved; returns the report.
 
@@ -147,53 +147,81 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     `temperature` > 0 adds sampled rows (plain, chain K=auto, each tree) whose speedup is
     against sampled plain decoding; their outputs differ from greedy's by design
     (`outputs_identical` None), their losslessness is a distribution (tests/test_sampling.py).
+    `backends` {name: speculator} adds, for each further backend (an exported program),
+    its own plain and chain rows (trees and sampling where the backend has them), all
+    interleaved in the same run; rows carry `backend`, `speedup` is against the first
+    backend's plain decoding and `speedup_vs_backend_plain` against the row's own, and
+    `cost_models` holds each backend's cost model.
 
-    The report's top-level DESIGN §4 keys describe the fastest K (`best_k`);
+    The report's top-level DESIGN §4 keys describe the fastest fixed-K row of any backend
+    (`best_k`, `best_backend`) against the first backend's plain decoding;
     `outputs_identical` there is True only if every row of ours matched plain.
     """
-    from ..speculator import Eagle3Speculator
-
-    plain_spec = Eagle3Speculator(spec.target, None, spec.tokenizer)
-    if spec.compiled is not None:  # like for like: plain decoding gets compiled steps too
-        plain_spec.compile()
-    arms: dict[str, Arm] = {PLAIN: engine_arm(plain_spec, max_new_tokens)}
+    backends = dict(backends or {"eager": spec})
+    names = list(backends)
+    multi = len(names) > 1
+    label = lambda b, arm: f"{b} {arm}" if multi else arm  # noqa: E731
+    arms: dict[str, Arm] = {}
+    plan = []  # (backend, arm name, k, tree) of the greedy rows
+    sampled = []  # (backend, arm name, k, tree) of the sampled arms
     chosen = [k for k in ks] + (["auto"] if auto else [])
-    sampled = []  # (arm name, k, tree) of the sampled arms
-    if spec.draft is not None:
-        arms.update({f"K={k}": engine_arm(spec, max_new_tokens, k) for k in chosen})
-        arms.update({tree_name(t): engine_arm(spec, max_new_tokens, tree=t) for t in trees})
-    if temperature > 0:
-        sampled.append((f"sampled plain T={temperature:g}", None, None))
-        arms[sampled[-1][0]] = engine_arm(plain_spec, max_new_tokens, temperature=temperature)
-        if spec.draft is not None:
-            for k, t in [("auto", None)] + [(None, t) for t in trees]:
-                name = f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}"
-                sampled.append((name, k, t))
-                arms[name] = engine_arm(spec, max_new_tokens, k, t, temperature)
+    for b, bspec in backends.items():
+        plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
+        arms[label(b, PLAIN)] = engine_arm(plain_spec, max_new_tokens)
+        plan.append((b, label(b, PLAIN), None, None))
+        exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
+        if bspec.draft is not None:
+            for k in chosen:
+                if exported and isinstance(k, int) and k > bspec.max_draft_tokens:
+                    continue
+                arms[label(b, f"K={k}")] = engine_arm(bspec, max_new_tokens, k)
+                plan.append((b, label(b, f"K={k}"), k, None))
+            for t in trees if not exported else ():
+                arms[label(b, tree_name(t))] = engine_arm(bspec, max_new_tokens, tree=t)
+                plan.append((b, label(b, tree_name(t)), None, t))
+        if temperature > 0 and not exported:
+            name = label(b, f"sampled plain T={temperature:g}")
+            sampled.append((b, name, None, None))
+            arms[name] = engine_arm(plain_spec, max_new_tokens, temperature=temperature)
+            if bspec.draft is not None:
+                for k, t in [("auto", None)] + [(None, t) for t in trees]:
+                    name = label(b, f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}")
+                    sampled.append((b, name, k, t))
+                    arms[name] = engine_arm(bspec, max_new_tokens, k, t, temperature)
     arms.update(peers or {})
     samples = interleave(arms, prompts, repeats, progress=progress)
-    plain = samples[PLAIN]
+    plain = samples[label(names[0], PLAIN)]
     rows = []
-    for name, k in [(PLAIN, None)] + [(f"K={k}", k) for k in chosen if f"K={k}" in samples]:
-        rows.append({"arm": "plain" if k is None else "eagle3", "k": k,
-                     **summarize(samples[name], plain)})
+    for b, name, k, t in plan:
+        row = {"arm": "plain" if name.endswith(PLAIN) and k is None and t is None else "eagle3", "k": k}
+        if t is not None:
+            row["tree"] = t.as_dict()
+        if multi:
+            row["backend"] = b
+        rows.append({**row, **summarize(samples[name], plain)})
         if k == "auto":
             rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
-    for t in trees if spec.draft is not None else ():
-        rows.append({"arm": "eagle3", "k": None, "tree": t.as_dict(),
-                     **summarize(samples[tree_name(t)], plain)})
     base = rows[0]["tokens_per_s"]
-    cost = cost_model(spec, prompts[0], ks, max(10, 3 * repeats)) if spec.draft is not None else None
+    costs = {b: cost_model(bspec, prompts[0], [k for k in ks if k <= getattr(bspec, "max_draft_tokens", k)],
+                           max(10, 3 * repeats))
+             for b, bspec in backends.items() if bspec.draft is not None}
+    backend_plain = {r.get("backend"): r["tokens_per_s"] for r in rows if r["arm"] == "plain"}
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base
+        if multi:
+            row["speedup_vs_backend_plain"] = row["tokens_per_s"] / backend_plain[row["backend"]]
+        cost = costs.get(row.get("backend", names[0]))
         row["predicted_speedup"] = (predicted_speedup(row["mean_accept_len"], row["k"], cost)
-                                    if isinstance(row["k"], int) else None)
+                                    if isinstance(row["k"], int) and cost else None)
     sampled_rows = []
-    for name, k, t in sampled:
-        sampled_rows.append({"arm": "plain" if name.startswith("sampled plain") else "eagle3", "k": k,
+    for b, name, k, t in sampled:
+        first = name == label(b, f"sampled plain T={temperature:g}")
+        sampled_rows.append({"arm": "plain" if first else "eagle3", "k": k,
                              "tree": t.as_dict() if t is not None else None,
-                             "temperature": temperature, **summarize(samples[name], None)})
-        sampled_rows[-1]["speedup"] = sampled_rows[-1]["tokens_per_s"] / sampled_rows[0]["tokens_per_s"]
+                             "temperature": temperature, **({"backend": b} if multi else {}),
+                             **summarize(samples[name], None)})
+        sampled_base = [r for r in sampled_rows if r["arm"] == "plain"][-1]["tokens_per_s"]
+        sampled_rows[-1]["speedup"] = sampled_rows[-1]["tokens_per_s"] / sampled_base
         if k == "auto":
             sampled_rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
     peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
@@ -210,9 +238,12 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         "accepted_per_position": best["accepted_per_position"] if best else None,
         "outputs_identical": all(r["outputs_identical"] for r in rows),
         "best_k": best["k"] if best else None,
-        "rows": rows, "sampled_rows": sampled_rows, "peers": peer_rows, "cost_model": cost,
+        "best_backend": best.get("backend", names[0]) if best else None,
+        "rows": rows, "sampled_rows": sampled_rows, "peers": peer_rows,
+        "cost_model": costs.get(names[0]), "cost_models": costs,
         "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "num_draft_tokens": chosen if spec.draft is not None else [],
+                     "backends": names,
                      "trees": [t.as_dict() for t in trees], "temperature": temperature,
                      "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads()},
     }

@@ -33,7 +33,12 @@ def _name(r: dict) -> str:
     name = ("plain (eagle3)" if r["arm"] == "plain" else
             "EAGLE-3 tree {top_k}x{depth}x{total_tokens}".format(**t) if t else
             f"EAGLE-3 K=auto ({r['chosen_k']} last)" if r["k"] == "auto" else f"EAGLE-3 K={r['k']}")
-    return name + (f", sampled T={r['temperature']:g}" if r.get("temperature") else "")
+    name += f", sampled T={r['temperature']:g}" if r.get("temperature") else ""
+    if r.get("backend"):  # several backends: which one, and the speedup against its own plain
+        name = f"{r['backend']}: {name}"
+        if r["arm"] != "plain" and r.get("speedup_vs_backend_plain") is not None:
+            name += f" ({r['speedup_vs_backend_plain']:.2f}x own plain)"
+    return name
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -50,8 +55,12 @@ def markdown(report: dict[str, Any]) -> str:
               "= accepted there / rounds that drafted there; our engine "
               f"{'compiled (--compile)' if s.get('compiled') else 'eager'}, "
               f"{s.get('torch_threads', '?')} threads."]
+    if len(s.get("backends", [])) > 1:
+        lines.append(f"Backends: {', '.join(s['backends'])}; speedup is against {s['backends'][0]} "
+                     "plain decoding, the name says the speedup against the backend's own plain.")
     if report["best_k"] is not None:
-        lines.append(f"Best K={report['best_k']}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "
+        where = f" on {report['best_backend']}" if len(s.get("backends", [])) > 1 else ""
+        lines.append(f"Best K={report['best_k']}{where}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "
                      f"{report['baseline_tokens_per_s']:.1f}, speedup {report['speedup']:.2f}x, "
                      f"tau {report['mean_accept_len']:.2f}.")
     lines.append("Outputs identical to plain greedy in every greedy run of ours: "
@@ -60,10 +69,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("Sampled rows: speedup against sampled plain decoding; tree nodes count as "
                      "drafted tokens (accept = accepted / nodes); sampling is lossless in "
                      "distribution, so outputs are not compared.")
-    c = report["cost_model"]
-    if c is not None:
+    costs = report.get("cost_models") or {"": report["cost_model"]}
+    for backend, c in costs.items():
+        if c is None:
+            continue
         ratios = " ".join(f"{m}:{v:.2f}" for m, v in c["verify_cost_ratio"].items())
-        lines.append(f"Cost model (cache of {c['cache_len']} tokens): plain decoding step "
+        which = f" ({backend})" if len(costs) > 1 else ""
+        lines.append(f"Cost model{which} (cache of {c['cache_len']} tokens): plain decoding step "
                      f"{c['target_forward_ms']:.2f} ms; cost(K+1)/cost(1) = verify over K+1 tokens / plain "
                      f"step: {ratios or '-'}; draft step / plain step "
                      f"{c['draft_step_over_target_forward']:.2f}; "

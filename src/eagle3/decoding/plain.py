@@ -23,7 +23,8 @@ def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
                  stop_ids: frozenset[int], *, cache: Any = None,
-                 step: Step | None = None, pick: Pick = argmax_pick) -> tuple[list[int], int]:
+                 step: Step | None = None, prefill: Step | None = None,
+                 pick: Pick = argmax_pick) -> tuple[list[int], int]:
     """Greedy-decode up to `max_new_tokens` tokens; returns (new tokens, target forwards).
 
     `pick(logits (1, 1, V)) -> token (1, 1)` replaces the greedy choice (sampling).
@@ -32,7 +33,8 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
     has checked that prompt + max_new_tokens fits the target's cache. `cache`
     (default: a fresh one) is overwritten from slot 0; `step(token (1, 1),
     input_pos (1,), kv_len) -> next token (1, 1)` replaces the eager one-token
-    forward (a compiled one). One host synchronisation per token (`int(tok)`);
+    forward (a compiled one); `prefill(prompt (1, n), input_pos (n,), n) -> token (1, 1)` the
+    prompt's forward (another backend's). One host synchronisation per token (`int(tok)`);
     see `decoding.profile` for profiling.
     """
     prof = active()
@@ -46,9 +48,12 @@ def plain_greedy(target: TapTarget, prompt_ids: list[int], max_new_tokens: int,
                                                    last_only=True, with_taps=False)
             return pick(logits[:, -1:])
     pos = slots_upto(n + max_new_tokens)
-    logits, _ = target.forward_logits_taps(torch.tensor([prompt_ids]), pos[:n], cache, kv_len=n,
-                                           last_only=True, with_taps=False)
-    tok = pick(logits[:, -1:])  # (1, 1)
+    if prefill is None:
+        logits, _ = target.forward_logits_taps(torch.tensor([prompt_ids]), pos[:n], cache, kv_len=n,
+                                               last_only=True, with_taps=False)
+        tok = pick(logits[:, -1:])  # (1, 1)
+    else:
+        tok = prefill(torch.tensor([prompt_ids]), pos[:n], n)
     out = [int(tok)]
     forwards = 1
     prof.toc("prefill", syncs=1)

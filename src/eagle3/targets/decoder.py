@@ -122,21 +122,25 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
+    scale = scale or hd ** -0.5
+    if hasattr(cache, "attend"):  # an exported program's cache brings its own kernels (export/kv.py)
+        return cache.attend(layer, q, k, v, input_pos, scale)
     keys, values = cache.update(layer, input_pos, k, v)  # (B, nkv, S, hd)
     keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-    # GQA without copying K/V: fold the query heads of each KV group into the row axis.
-    g = nh // nkv
-    q = q.reshape(B, nkv, g * T, hd)
-    mask = mask.repeat(g, 1)  # (g*T, kv_len)
-    scale = scale or hd ** -0.5
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        # enable_gqa: grouped heads without copying K/V (faster here than folding the groups
+        # into rows, and its output views stay exportable with a dynamic T).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=nh != nkv)  # (B, nh, T, hd)
     else:
-        scores = (q @ keys.transpose(-1, -2)) * scale
+        # Soft-capping needs the scores: fold each KV group's query heads into the row axis.
+        g = nh // nkv
+        scores = (q.reshape(B, nkv, g * T, hd) @ keys.transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
         out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
-    return out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+        out = out.reshape(B, nh, T, hd)
+    return out.transpose(1, 2).reshape(B, T, nh * hd)
 
 
 class MLP(nn.Module):
