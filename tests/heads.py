@@ -16,6 +16,8 @@ Corrupting a bank forces rejections exactly where wanted:
     zero    -> first draft rejected (accepted length 0)
     second  -> every prediction's runner-up is right, its top choice wrong: a tree
                accepts one token per round through a second child (tree tests)
+    mixed   -> first draft accepted, each later one right only after an even token:
+               accepted lengths vary from round to round
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def forced_head(target, mode: str = "full", draft_vocab: list[int] | None = None
     bank B cancels the residual it reads; lookup noise then builds up over
     chains of more than ~3 steps, so 'full' is exact only for short chains.
     """
-    assert mode in ("full", "partial", "zero", "second")
+    assert mode in ("full", "partial", "zero", "second", "mixed")
     g = torch.Generator().manual_seed(seed)
     V, H = target.config.vocab_size, target.config.hidden_size
     f = bigram_table(target)
@@ -109,8 +111,9 @@ def forced_head(target, mode: str = "full", draft_vocab: list[int] | None = None
         cand = vocab[torch.randint(0, dv, t.shape, generator=g)]
         return torch.where(cand == t, vocab[(torch.searchsorted(vocab, cand) + 1) % dv], cand)
 
-    bank_a = f2 if mode in ("full", "partial") else wrong(f2)
-    bank_b = f if mode == "full" else wrong(f)
+    bank_a = f2 if mode in ("full", "partial", "mixed") else wrong(f2)
+    bank_b = (f if mode == "full" else
+              torch.where(torch.arange(V) % 2 == 0, f, wrong(f)) if mode == "mixed" else wrong(f))
     A.down_proj.weight[:, :V] = unit(code[bank_a]).T
     B.down_proj.weight[:, V:] = unit(code[bank_b]).T
     if mode == "second":  # the right code at 0.8 of a wrong one: logits rank it second

@@ -38,19 +38,20 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
-    """Two programs: a bigram target with a head that is always right (every draft accepted),
-    and a random target with a random head (drafts rejected), int8-quantized."""
+    """Two programs: a bigram target with a head whose later drafts are right only after even
+    tokens (accepted lengths vary), and a random target with a random head (drafts rejected),
+    int8-quantized."""
     root = tmp_path_factory.mktemp("export")
     out = {}
     # 3 layers (taps 1, 2, 3): lowering time grows with the graph, and each program takes a while
     tdir = save_bigram_target(str(root / "bigram"), num_hidden_layers=3)
     target = load_target(tdir, max_seq_len=MAX_LEN)
-    save_head(forced_head(target, "full"), str(root / "full_head"), "speculators")
+    save_head(forced_head(target, "mixed"), str(root / "mixed_head"), "speculators")
     rdir = str(root / "random")
     make_hf_model("llama", seed=3, num_hidden_layers=3).save_pretrained(rdir)
     rt = load_target(rdir, max_seq_len=MAX_LEN)
     save_head(random_head(rt, seed=1, taps=(1, 2, 3)), str(root / "random_head"), "speculators")
-    for name, t, h, q in (("full", tdir, "full_head", "none"), ("random", rdir, "random_head", "int8")):
+    for name, t, h, q in (("mixed", tdir, "mixed_head", "none"), ("random", rdir, "random_head", "int8")):
         spec = eagle3.load(t, str(root / h), max_seq_len=MAX_LEN)
         meta = export_program(spec, str(root / f"{name}_program"), max_seq_len=MAX_LEN,
                               max_draft_tokens=K, quantize=q, log=lambda m: None)
@@ -64,7 +65,7 @@ def eager(p, draft=None) -> Eagle3Speculator:
 
 
 def test_exported_methods_equal_eager_methods(programs):
-    p = programs["full"]
+    p = programs["mixed"]
     ref = eager(p)
     prog = eagle3.load(p["target"], backend="executorch", program=p["program"])
     ids = torch.tensor([prompts(1, 5)[0][:12]])
@@ -90,37 +91,43 @@ def test_exported_methods_equal_eager_methods(programs):
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["full", "random"])
+@pytest.mark.parametrize("name", ["mixed", "random"])
 def test_exported_generation_is_lossless(programs, name):
     """Greedy chain generation through the program equals plain greedy decoding: the eager
-    target's for the float program, the program's own for the quantized one."""
+    target's for the float program, the program's own for the quantized one (which checks the
+    runner over a quantized program; on this tiny model no argmax is a near-tie, while on the
+    default model quantized rounding flips a few, as README's Export section measures)."""
     p = programs[name]
     prog = eagle3.load(p["target"], backend="executorch", program=p["program"])
     plain_prog = prog.plain()
     plain_eager = eager(p, "none")
-    for i, prompt in enumerate(prompts(6, 11)):
-        n = MAX_LEN - len(prompt) if i == 0 else 24  # the first runs to the cache's end
+    lengths = set()
+    for i, prompt in enumerate([[7]] + prompts(6, 11)):  # a 1-token prompt: prefill is decode
+        n = MAX_LEN - len(prompt) if i == 1 else 24  # one runs to the cache's end
         want = plain_prog.generate(prompt, n, stop_token_ids=[]).token_ids
-        if name == "full":
+        if name == "mixed":
             assert want == plain_eager.generate(prompt, n, stop_token_ids=[]).token_ids
         for k in (1, 2, K, "auto"):
             r = prog.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[])
             assert r.token_ids == want, (prompt, k)
-            if name == "full" and r.stats["draft_tokens"]:
-                assert r.stats["accepted_tokens"] == r.stats["draft_tokens"]
+            lengths |= {a for a, c in enumerate(r.stats["accept_len_hist"]) if c}
     assert prog.auto is not None and prog.auto.max_k == K  # auto is capped by the program
+    if name == "mixed":  # rollbacks after every accepted length, and full acceptance
+        assert {1, 2, 3, K} <= lengths
 
 
-def test_quantized_program_computes_its_eager_model(programs):
+def test_quantized_program_computes_its_eager_model(programs, capsys):
     """The int8 program equals the eager quantized model it was lowered from (up to the
     kernels' rounding), and the error against float32 is recorded."""
     p = programs["random"]
     err = p["meta"]["quantization_error"]
     assert err["mode"] == "int8" and err["probe_tokens"] > 16
     assert 0 < err["max_abs_logit_error"] < err["logit_scale"]
-    assert 0.0 <= err["argmax_agreement"] <= 1.0
+    assert err["argmax_agreement"] > 0.5
     ref = p["eager"]
+    capsys.readouterr()
     prog = eagle3.load(p["target"], backend="executorch", program=p["program"])
+    assert "int8-quantized" in capsys.readouterr().err  # the near-tie notice
     ids = torch.tensor([prompts(1, 8)[0] + list(range(1, 30))])[:, :MAX_LEN - K - 1]
     n = ids.shape[1]
     for spec in (ref, prog):
@@ -135,7 +142,7 @@ def test_quantized_program_computes_its_eager_model(programs):
 
 
 def test_bounds_and_unsupported_requests(programs):
-    p = programs["full"]
+    p = programs["mixed"]
     prog = eagle3.load(p["target"], backend="executorch", program=p["program"])
     prompt = prompts(1, 2)[0]
     with pytest.raises(Eagle3Error, match="max_draft_tokens"):
@@ -186,8 +193,36 @@ def test_unsupported_configurations_fail_clearly(tmp_path):
     assert not any(tmp_path.glob("*_out*"))  # nothing left behind
 
 
+def test_failed_or_refused_export_leaves_nothing_behind(tmp_path, monkeypatch):
+    from eagle3.export import program
+
+    tdir = save_bigram_target(str(tmp_path / "t"), num_hidden_layers=3)
+    t = load_target(tdir, max_seq_len=16)
+    head = forced_head(t, "full")
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(Eagle3Error, match="is a file"):
+        export_program(spec, str(tmp_path / "file"), log=lambda m: None)
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        export_program(spec, str(tmp_path / "no" / "out"), log=lambda m: None)
+
+    # A write that fails half-way (the disk fills while copying the tokenizer): the partial
+    # directory goes, the error is one line. Lowering is skipped (its bytes are not read here).
+    def disk_full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(program, "lower", lambda programs, metadata: b"program bytes")
+    monkeypatch.setattr(program.shutil, "copy", disk_full)
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(Eagle3Error, match="No space left on device"):
+        export_program(spec, str(tmp_path / "out"), max_draft_tokens=2, tokenizer_dir=tdir,
+                       log=lambda m: None)
+    assert set(os.listdir(tmp_path)) == before
+
+
 def test_cli_export_errors_generate_and_bench(programs, tmp_path):
-    p = programs["full"]
+    p = programs["mixed"]
     run = lambda *a: subprocess.run([sys.executable, "-m", "eagle3", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=600, stdin=subprocess.DEVNULL, env=ENV)
     r = run("export", "--target", p["target"], "--draft", p["head"], "--out", p["program"])
@@ -221,4 +256,7 @@ def test_cli_export_errors_generate_and_bench(programs, tmp_path):
     assert names == {(b, a, k) for b in ("eager", "executorch")
                      for a, k in (("plain", None), ("eagle3", 2), ("eagle3", "auto"))}
     assert set(rep["cost_models"]) == {"eager", "executorch"}
-    assert all(row["mean_accept_len"] > 2.5 for row in rep["rows"] if row["k"] == 2)
+    # the first draft is always right: tau >= 2 on both backends, the same on both
+    taus = {row["backend"]: row["mean_accept_len"] for row in rep["rows"] if row["k"] == 2}
+    assert taus["eager"] == taus["executorch"] >= 2.0
+    assert [r.get("matches_first_backend_plain") for r in rep["rows"] if r["arm"] == "plain"] == [None, True]

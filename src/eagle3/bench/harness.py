@@ -150,8 +150,10 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     `backends` {name: speculator} adds, for each further backend (an exported program),
     its own plain and chain rows (trees and sampling where the backend has them), all
     interleaved in the same run; rows carry `backend`, `speedup` is against the first
-    backend's plain decoding and `speedup_vs_backend_plain` against the row's own, and
-    `cost_models` holds each backend's cost model.
+    backend's plain decoding and `speedup_vs_backend_plain` against the row's own, each
+    row's `outputs_identical` compares it with its own backend's plain decoding (the
+    further backends' plain rows say in `matches_first_backend_plain` whether they equal
+    the first's), and `cost_models` holds each backend's cost model.
 
     The report's top-level DESIGN §4 keys describe the fastest fixed-K row of any backend
     (`best_k`, `best_backend`) against the first backend's plain decoding;
@@ -198,7 +200,12 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
             row["tree"] = t.as_dict()
         if multi:
             row["backend"] = b
-        rows.append({**row, **summarize(samples[name], plain)})
+        # Lossless means equal to the same backend's plain decoding: a quantized program is
+        # another model. Whether a backend's plain decoding equals the first's is reported apart.
+        own_plain = samples[label(b, PLAIN)]
+        rows.append({**row, **summarize(samples[name], own_plain)})
+        if multi and row["arm"] == "plain" and b != names[0]:
+            rows[-1]["matches_first_backend_plain"] = summarize(samples[name], plain)["outputs_identical"]
         if k == "auto":
             rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
     base = rows[0]["tokens_per_s"]

@@ -56,8 +56,13 @@ def markdown(report: dict[str, Any]) -> str:
               f"{'compiled (--compile)' if s.get('compiled') else 'eager'}, "
               f"{s.get('torch_threads', '?')} threads."]
     if len(s.get("backends", [])) > 1:
+        same = {r["backend"]: r["matches_first_backend_plain"] for r in report["rows"]
+                if "matches_first_backend_plain" in r}
         lines.append(f"Backends: {', '.join(s['backends'])}; speedup is against {s['backends'][0]} "
-                     "plain decoding, the name says the speedup against the backend's own plain.")
+                     "plain decoding, the name says the speedup against the backend's own plain; "
+                     "identical = equal to the backend's own plain decoding. Plain decoding equal to "
+                     f"{s['backends'][0]}'s: " + ", ".join(f"{b} {'yes' if v else 'no'}"
+                                                           for b, v in same.items()) + ".")
     if report["best_k"] is not None:
         where = f" on {report['best_backend']}" if len(s.get("backends", [])) > 1 else ""
         lines.append(f"Best K={report['best_k']}{where}: {report['eagle_tokens_per_s']:.1f} tok/s vs plain "

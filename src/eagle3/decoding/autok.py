@@ -43,6 +43,8 @@ def measure_cost(spec: Eagle3Speculator, prompt: list[int], sizes: list[int],
     timings, through the compiled steps when the speculator has them."""
     from .chain import ChainDrafter  # chain.py imports this module
 
+    # Room after the prompt for the largest verify and the probe's draft chain.
+    prompt = prompt[:max(1, spec.max_seq_len - max([*sizes, DRAFT_PROBE_STEPS + 1]))]
     n = len(prompt)
     sizes = [m for m in sorted({1, *sizes}) if n + m <= spec.max_seq_len]
     pos = slots_upto(spec.max_seq_len)

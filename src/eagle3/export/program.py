@@ -3,7 +3,7 @@
 The program holds the four methods of ExecuTorch's `Eagle3Speculator` contract
 (DESIGN §4) over shared state, the caches being mutable buffers that every method
 reads and writes in place (`share_mutable_buffers`), plus `draft_step` (draft_decode
-of one token, static):
+of one token, static) and `plain_decode` (decode without the taps: plain decoding):
 
     prefill(tokens (1, T), input_pos (T,))       -> (token (1,), feature (1, T, H))      T: 2..max_len
     target_verify(tokens (1, T), input_pos (T,)) -> (verify_ids (1, T), feature (1, T, H)) T: 2..K+1
@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ META_FILE = "eagle3_program.json"
 FORMAT_VERSION = 1
 QUANTIZE_MODES = ("none", "int8", "int4")
 CONTRACT_METHODS = ("prefill", "target_verify", "draft_decode", "decode")
+EXTRA_METHODS = ("draft_step", "plain_decode")
 
 
 class SpeculatorProgram(nn.Module):
@@ -66,7 +68,14 @@ class SpeculatorProgram(nn.Module):
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.prefill(tokens, input_pos)
 
-    # Beyond the contract, for speed: a method whose input length changes re-plans its XNNPACK
+    # Beyond the contract, for speed. plain_decode: a plain decoding step without the taps and
+    # the head's fc, so that the program's own plain decoding is a fair baseline.
+    def plain_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                    last_only=True, with_taps=False)
+        return logits[:, -1].argmax(-1)
+
+    # draft_step: a method whose input length changes re-plans its XNNPACK
     # graphs (~0.06 ms here), and draft steps alternate with multi-token rebuilds every round.
     def draft_step(self, tokens: torch.Tensor, feature: torch.Tensor,
                    input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,11 +140,13 @@ def export_methods(spec: Any, max_seq_len: int, max_draft_tokens: int) -> dict[s
                          ({1: T_draft}, {1: T_draft}, {0: T_draft})),
         "decode": ((tok(1), pos(1)), None),
         "draft_step": ((tok(1), torch.zeros(1, 1, H), pos(1)), None),
+        "plain_decode": ((tok(1), pos(1)), None),
     }
     out = {}
     with torch.no_grad():
         for name, (args, dims) in examples.items():
-            # strict=True: the non-strict tracer fails to lower dynamic lengths (MEASUREMENTS.md)
+            # strict=True: non-strict export of dynamic lengths was seen to fail to lower with
+            # this executorch ("expected compiled_fn to be GraphModule")
             out[name] = export(_Method(program, name), args,
                                dynamic_shapes=None if dims is None else {"args": dims}, strict=True)
     return out
@@ -160,22 +171,38 @@ def lower(programs: dict[str, Any], metadata: dict[str, Any]) -> bytes:
     return et.buffer
 
 
+def check_out_dir(out_dir: str) -> None:
+    """--out must be a new or empty directory in an existing, writable parent (checked before
+    minutes of lowering)."""
+    if not isinstance(out_dir, str) or not out_dir:
+        raise Eagle3Error("give an output directory (--out DIR)")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise Eagle3Error(f"--out {out_dir} is a file; choose a new directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise Eagle3Error(f"output directory {out_dir} exists and is not empty; choose a new --out")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise Eagle3Error(f"the parent of --out ({parent}) does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise Eagle3Error(f"cannot write to {parent}; choose a writable --out")
+
+
 def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
                    max_draft_tokens: int = 8, quantize: str = "none", source: dict | None = None,
                    tokenizer_dir: str | None = None, log=print) -> dict[str, Any]:
     """Export `spec` (a target + head) to `out_dir`/program.pte + metadata; returns the metadata.
 
-    Writes into a temporary directory first: a failed export leaves nothing behind.
+    Writes into a temporary directory beside `out_dir`, renamed into place when complete: a
+    failed export leaves nothing behind. `quantize` quantizes `spec`'s weights in place.
     """
     if quantize not in QUANTIZE_MODES:
         raise Eagle3Error(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     if importlib.util.find_spec("executorch") is None:
         raise Eagle3Error("export needs ExecuTorch: pip install 'eagle3[export]' (executorch from PyPI)")
     cfg = spec.target.config
-    max_seq_len = max_seq_len or min(cfg.max_seq_len, 1024)
+    max_seq_len = max_seq_len or cfg.max_seq_len
     check_exportable(spec, max_seq_len, max_draft_tokens)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise Eagle3Error(f"output directory {out_dir} exists and is not empty; choose a new --out")
+    check_out_dir(out_dir)
     from .quantize import quantize_weights
 
     metadata = {
@@ -185,7 +212,7 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
         "draft_vocab_size": spec.draft.config.draft_vocab_size,
         "taps": list(spec.target.tap_layers), "d2t": spec.draft.d2t.tolist(),
         "eos_token_ids": list(cfg.eos_token_ids), "quantize": quantize,
-        "methods": [*CONTRACT_METHODS, "draft_step"],
+        "methods": [*CONTRACT_METHODS, *EXTRA_METHODS],
         "source": source or {},
     }
     t0 = time.perf_counter()
@@ -200,9 +227,8 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
     programs = export_methods(spec, max_seq_len, max_draft_tokens)
     log(f"lowering to ExecuTorch + XNNPACK (a minute or more) ... [{time.perf_counter() - t0:.0f} s]")
     data = lower(programs, metadata)
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = tempfile.mkdtemp(prefix=".eagle3-export-", dir=parent)  # renamed into place when complete
     try:
         with open(os.path.join(tmp, PROGRAM_FILE), "wb") as f:
             f.write(data)
@@ -215,8 +241,11 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise Eagle3Error(f"cannot write the program to {out_dir} ({e.strerror or e}); "
+                              "check the disk and the path") from None
         raise
     log(f"wrote {os.path.join(out_dir, PROGRAM_FILE)} ({len(data) / 1e6:.1f} MB) in "
         f"{time.perf_counter() - t0:.0f} s")

@@ -59,8 +59,10 @@ def quantize_weights(spec: Any, mode: str) -> dict[str, float]:
         raise Eagle3Error(f"int4 groups of {GROUP_SIZE} need input widths divisible by {GROUP_SIZE} "
                           f"({bad[0]} is not); use --quantize int8")
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.config.vocab_size, (PROBE_PROMPT,), generator=gen).tolist()
-    new, _ = plain_greedy(target, prompt, PROBE_NEW, frozenset())
+    room = target.config.max_seq_len  # the probe fits the loaded cache and RoPE table
+    n_prompt = min(PROBE_PROMPT, max(1, room // 4))
+    prompt = torch.randint(0, target.config.vocab_size, (n_prompt,), generator=gen).tolist()
+    new, _ = plain_greedy(target, prompt, min(PROBE_NEW, room - n_prompt), frozenset())
     ids = torch.tensor([prompt + new])
     before = _probe_logits(target, ids)
     quantize_(target, config)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, notice
 from ..kv import SlotBook
 from ..speculator import Eagle3Speculator, GenerationResult
 from .program import FORMAT_VERSION, META_FILE, PROGRAM_FILE
@@ -75,11 +75,20 @@ def read_metadata(program_dir: str) -> dict[str, Any]:
     for name in (PROGRAM_FILE, META_FILE):
         if not os.path.isfile(os.path.join(program_dir, name)):
             raise Eagle3Error(f"{program_dir} has no {name}: pass the --out directory of `eagle3 export`")
-    with open(os.path.join(program_dir, META_FILE)) as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(program_dir, META_FILE)) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            raise ValueError
+    except (OSError, ValueError):
+        raise Eagle3Error(f"{program_dir}/{META_FILE} is not readable JSON; export again") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise Eagle3Error(f"{program_dir} was written by another eagle3 export format "
                           f"({meta.get('format_version')}, this eagle3 reads {FORMAT_VERSION}); export again")
+    missing = [k for k in ("max_seq_len", "max_draft_tokens", "vocab_size", "draft_vocab_size", "taps",
+                           "eos_token_ids", "methods") if k not in meta]
+    if missing:
+        raise Eagle3Error(f"{program_dir}/{META_FILE} lacks '{missing[0]}'; export again")
     return meta
 
 
@@ -98,13 +107,23 @@ class ExecutorchSpeculator(Eagle3Speculator):
                 raise Eagle3Error("the executorch backend needs ExecuTorch: pip install "
                                   "'eagle3[export]'") from None
             load_custom_ops()  # the llama:: kernels the program calls
-            program = Runtime.get().load_program(os.path.join(program_dir, PROGRAM_FILE))
+            try:
+                program = Runtime.get().load_program(os.path.join(program_dir, PROGRAM_FILE))
+            except (RuntimeError, ValueError) as e:
+                raise Eagle3Error(f"{program_dir}/{PROGRAM_FILE} is not a loadable ExecuTorch program "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                  "export again") from None
             missing = [m for m in meta["methods"] if m not in program.method_names]
             if missing:
                 raise Eagle3Error(f"{program_dir}/{PROGRAM_FILE} lacks method {missing[0]}; export again")
             methods = {name: program.load_method(name) for name in meta["methods"]}
             _loaded = (program, methods, meta)
         self._program, self.methods, self.meta = _loaded
+        if speculate and self.meta.get("quantize", "none") != "none":
+            notice(f"{program_dir} is {self.meta['quantize']}-quantized: its int8 activations round "
+                   "differently for 1 and K+1 tokens, so speculative output can differ from this "
+                   "program's plain decoding at near-ties (README, Export); use an fp32 program "
+                   "for identical output")
         self.program_dir = program_dir
         super().__init__(ProgramTarget(self.meta), ProgramHead(self.meta) if speculate else None,
                          tokenizer)
@@ -135,6 +154,14 @@ class ExecutorchSpeculator(Eagle3Speculator):
                           "lowered (drop compile or use backend='native')")
 
     # -- the steps, through the program -------------------------------------------------------------
+    @staticmethod
+    def _claim(book: SlotBook, input_pos: torch.Tensor, T: int) -> None:
+        """The exported attention is causal from input_pos[0]: positions must be consecutive."""
+        if T > 1 and not bool((input_pos.diff() == 1).all()):
+            raise Eagle3Error("an exported program takes consecutive positions (start, start+1, ...); "
+                              "tree-shaped or gapped input_pos needs the eager backend")
+        book.claim(int(input_pos[0]), T)
+
     def _run(self, name: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
         return self.methods[name].execute([x.contiguous() for x in inputs])
 
@@ -146,7 +173,9 @@ class ExecutorchSpeculator(Eagle3Speculator):
         if T > self.max_draft_tokens + 1 and not last_only:
             raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
                               f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
-        self.target_cache.claim(int(input_pos[0]), T)
+        self._claim(self.target_cache, input_pos, T)
+        if T == 1 and not with_taps:  # plain decoding
+            return self._run("plain_decode", tokens, input_pos)[0].view(1, 1), None
         if T == 1:
             tok, feature = self._run("decode", tokens, input_pos)
             return tok.view(1, 1), feature
@@ -162,7 +191,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
             raise Eagle3Error("this speculator has no draft head (plain decoding)")
         self._caches()
         T = tokens.shape[1]
-        self.draft_cache.claim(int(input_pos[0]), T)
+        self._claim(self.draft_cache, input_pos, T)
         return self._run("draft_step" if T == 1 else "draft_decode", tokens, feature, input_pos)
 
     # -- generation -------------------------------------------------------------------------------
