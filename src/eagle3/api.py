@@ -65,7 +65,8 @@ def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, pro
     if backend != "executorch":
         raise Eagle3Error("program= runs an exported program: pass backend='executorch' with it")
     if program is None:
-        raise Eagle3Error("backend 'executorch' needs program=DIR, the --out directory of `eagle3 export`")
+        raise Eagle3Error("backend 'executorch' needs program=DIR (--program DIR on the command line), the "
+                          "--out directory of `eagle3 export`")
     if compile:
         raise Eagle3Error("compile applies to the eager backend; an exported program is already lowered")
     if taps is not None or max_seq_len is not None:
