@@ -170,24 +170,22 @@ def test_bounds_and_unsupported_requests(programs):
 
 
 def test_unsupported_configurations_fail_clearly(tmp_path):
-    gdir = str(tmp_path / "gemma2")
-    make_hf_model("gemma2", seed=1).save_pretrained(gdir)
-    g = load_target(gdir, max_seq_len=MAX_LEN)
-    head = random_head(g, taps=(1, 2, 3))
-    attach_head(head, g)
-    spec = Eagle3Speculator(g, head)
+    def random_spec(name: str) -> Eagle3Speculator:
+        d = str(tmp_path / name)
+        make_hf_model(name, seed=1).save_pretrained(d)
+        t = load_target(d, max_seq_len=MAX_LEN)
+        head = random_head(t, taps=(1, 2, 3))
+        attach_head(head, t)
+        return Eagle3Speculator(t, head)
+
     with pytest.raises(Eagle3Error, match="soft-capping"):
-        export_program(spec, str(tmp_path / "g_out"), max_seq_len=MAX_LEN, log=lambda m: None)
-    mdir = str(tmp_path / "mistral")
-    make_hf_model("mistral", seed=1).save_pretrained(mdir)  # sliding window 7
-    m = load_target(mdir, max_seq_len=MAX_LEN)
-    head = random_head(m, taps=(1, 2, 3))
-    attach_head(head, m)
-    spec = Eagle3Speculator(m, head)
+        export_program(random_spec("gemma2"), str(tmp_path / "g_out"), max_seq_len=MAX_LEN,
+                       log=lambda m: None)
+    spec = random_spec("mistral")  # sliding window 7
     with pytest.raises(Eagle3Error, match="sliding window"):
         export_program(spec, str(tmp_path / "m_out"), max_seq_len=MAX_LEN, log=lambda m: None)
     with pytest.raises(Eagle3Error, match="draft head"):
-        export_program(Eagle3Speculator(m), str(tmp_path / "n_out"), max_seq_len=MAX_LEN)
+        export_program(Eagle3Speculator(spec.target), str(tmp_path / "n_out"), max_seq_len=MAX_LEN)
     with pytest.raises(Eagle3Error, match="max_draft_tokens"):
         export_program(spec, str(tmp_path / "k_out"), max_seq_len=6, max_draft_tokens=5)
     assert not any(tmp_path.glob("*_out*"))  # nothing left behind

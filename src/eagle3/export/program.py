@@ -122,10 +122,10 @@ def check_exportable(spec: Any, max_seq_len: int, max_draft_tokens: int) -> None
 
 
 def export_methods(spec: Any, max_seq_len: int, max_draft_tokens: int) -> dict[str, Any]:
-    """torch.export each method with dynamic lengths; returns {name: ExportedProgram}."""
+    """torch.export each method with dynamic lengths (`spec` passed `check_exportable`);
+    returns {name: ExportedProgram}."""
     from torch.export import Dim, export
 
-    check_exportable(spec, max_seq_len, max_draft_tokens)
     program = SpeculatorProgram(spec.target, spec.draft, max_seq_len).eval()
     H = spec.draft.config.hidden_size
     T_prefill = Dim("T_prefill", min=2, max=max_seq_len)

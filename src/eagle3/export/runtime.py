@@ -44,9 +44,6 @@ class ProgramTarget:
         self.tap_layers = tuple(meta["taps"])
         self.embedding_weight = torch.empty(0)  # device probe: the program runs on the CPU
 
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
-        return SlotBook(max_len or self.config.max_seq_len)
-
     def truncate_cache(self, cache: SlotBook, length: int) -> None:
         cache.truncate(length)
 
@@ -62,9 +59,6 @@ class ProgramHead:
     def __init__(self, meta: dict[str, Any]) -> None:
         self.config = ProgramHeadConfig(meta["draft_vocab_size"])
         self.embed_tokens = True  # the program's head shares the target's table
-
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
-        raise AssertionError("ExecutorchSpeculator allocates its own SlotBooks")
 
 
 def read_metadata(program_dir: str) -> dict[str, Any]:
@@ -96,7 +90,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
     """An exported program (`eagle3 export`) behind the `Eagle3Speculator` API; CPU, greedy."""
 
     def __init__(self, program_dir: str, tokenizer: Any = None, *, speculate: bool = True,
-                 _loaded: tuple[Any, dict] | None = None) -> None:
+                 _loaded: tuple[Any, dict, dict] | None = None) -> None:
         if _loaded is None:
             meta = read_metadata(program_dir)
             try:
