@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. Named again
 	# below so that no extra (executorch, torchao) can move it.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,export]" torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev,export,serve]" torch==2.13.0
 	touch $(STAMP)
 
 run: $(STAMP)

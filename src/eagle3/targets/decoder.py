@@ -120,6 +120,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
+    if cos.dim() == 3:  # per-row positions (B, T, hd): the engine's ragged batches
+        cos, sin = cos[:, None], sin[:, None]
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     scale = scale or hd ** -0.5
@@ -137,7 +139,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         g = nh // nkv
         scores = (q.reshape(B, nkv, g * T, hd) @ keys.transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+        scores = scores.masked_fill(~mask.repeat(*[1] * (mask.dim() - 2), g, 1), float("-inf"))
         out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
         out = out.reshape(B, nh, T, hd)
     return out.transpose(1, 2).reshape(B, T, nh * hd)

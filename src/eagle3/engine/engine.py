@@ -1,0 +1,395 @@
+"""The engine: many requests at once, each speculating, over one KV pool.
+
+A scheduler thread repeats one step:
+
+    1. apply aborts and timeouts (waiting or running), freeing every page they held
+    2. admit waiting requests in arrival order while a batch slot and their worst-case KV
+       fit (continuous batching: new requests join between rounds); prefill each
+    3. run one round for the whole batch (`step.run_round`): batched drafts, one batched
+       verify, per-row acceptance, K chosen for this batch size (`costs.BatchCosts`)
+    4. hand each request its new tokens (`on_event`); finish the ones that are done
+
+A failure inside one request's handling (its callback, its sampler) fails that
+request alone. A failure inside a batched forward fails the requests of that batch
+(their pages are freed) and the engine carries on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..decoding.autok import AUTO_MAX_K, AutoK
+from ..decoding.sampling import Sampler, check_sampling
+from ..errors import Eagle3Error, notice
+from .costs import BatchCosts, probe_batch_sizes
+from .kv import PagePool
+from .request import DONE, Request, RequestState
+from .step import BatchRunner, run_round
+
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "prompt_tokens", "generation_tokens")
+
+
+class EngineError(Eagle3Error):
+    """A request the engine refuses; `status` is the HTTP status a server should answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8  # requests decoded together
+    max_queue: int = 64  # waiting requests beyond this are refused (429)
+    max_kv_tokens: int | None = None  # KV pool size in tokens (default: max_batch * max_seq_len)
+    speculate: bool = True  # False: plain batched decoding even with a head
+    num_draft_tokens: int | None = None  # None: K per batch size from the cost model
+    request_timeout_s: float | None = None  # default per-request deadline
+    page_size: int = 16
+
+
+class Engine:
+    """Continuous-batching speculative engine over an eager native `Eagle3Speculator`."""
+
+    def __init__(self, spec: Any, config: EngineConfig | None = None) -> None:
+        self.spec = spec
+        self.config = cfg = config or EngineConfig()
+        check_engine_target(spec)
+        for name in ("max_batch", "max_queue", "page_size"):
+            if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+                raise Eagle3Error(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+        k = cfg.num_draft_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16):
+            raise Eagle3Error(f"num_draft_tokens must be an integer in 0..16 or None (auto), got {k!r}")
+        self.speculate = cfg.speculate and spec.draft is not None and k != 0
+        self.kmax = (k or AUTO_MAX_K) if self.speculate else 0
+        self.max_model_len = spec.max_seq_len
+        kv_tokens = cfg.max_batch * self.max_model_len if cfg.max_kv_tokens is None else cfg.max_kv_tokens
+        if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+            raise Eagle3Error(f"max_kv_tokens must be a positive integer, got {cfg.max_kv_tokens!r}")
+        self.pool = PagePool(-(-kv_tokens // cfg.page_size), cfg.page_size)
+        if spec.taps is not None:
+            spec.target.tap_layers = spec.taps
+        self.runner = BatchRunner(spec, self.pool, self.speculate)
+        self.auto = AutoK({}, max(self.kmax, 1))  # acceptance per draft position, over all requests
+        self.costs: BatchCosts | None = None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.manual = False  # started without a thread: the caller steps
+        self.stopping = False
+        self.ids = itertools.count(1)
+        self.totals = dict.fromkeys(COUNTERS, 0)
+        self.totals_per_pos = [0] * self.kmax
+        self.outcomes = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
+        self.k_history: dict[int, dict[int, int]] = {}  # batch size -> {k: rounds}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, background: bool = True) -> Engine:
+        """Measure the cost model (automatic K only) and start the scheduler thread.
+
+        `background=False` starts no thread: the caller drives `step()` / `run_until_idle()`
+        (benchmarks and tests that want a known batch composition).
+        """
+        if self.thread is not None or self.manual:
+            return self
+        self.prepare()
+        self.stopping = False
+        if background:
+            self.thread = threading.Thread(target=self._loop, name="eagle3-engine", daemon=True)
+            self.thread.start()
+        else:
+            self.manual = True
+        return self
+
+    def run_until_idle(self) -> None:
+        """Step until no request is waiting or running (without a background thread)."""
+        while self.step() or self.waiting:
+            pass
+
+    def prepare(self) -> None:
+        """Measure the batch costs once (needed before stepping with automatic K)."""
+        if self.speculate and self.config.num_draft_tokens is None and self.costs is None:
+            context = max(1, min(128, self.max_model_len // 2) - self.kmax - 2)
+            self.costs = BatchCosts.measure(self.runner, probe_batch_sizes(self.config.max_batch),
+                                            self.kmax, context)
+            if not self.costs.verify:
+                raise Eagle3Error("the KV pool is too small to measure even one request's costs; "
+                                  "raise max_kv_tokens or pass a fixed num_draft_tokens")
+
+    def stop(self) -> None:
+        """Abort every request and stop the scheduler thread (idempotent)."""
+        with self.lock:
+            self.stopping = True
+            for r in [*self.waiting, *self.running]:
+                r.abort_reason = r.abort_reason or "abort"
+            self.lock.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        self.manual = False
+        self._apply_aborts()  # when the thread never ran
+
+    @property
+    def is_running(self) -> bool:
+        alive = self.manual or (self.thread is not None and self.thread.is_alive())
+        return alive and not self.stopping
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Any, max_tokens: Any, *, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop_token_ids: Any = None,
+               on_event: Any = None, timeout_s: float | None = None) -> Request:
+        """Queue a request (see the module docstring); raises EngineError with an HTTP status."""
+        if not self.is_running:
+            raise EngineError("the engine is not running (start it, or it is shutting down)", 503)
+        cfg = self.spec.target.config
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise EngineError("the prompt must be a non-empty list of token ids")
+        if any(not 0 <= t < cfg.vocab_size for t in prompt_ids):
+            raise EngineError(f"prompt token ids must be in 0..{cfg.vocab_size - 1}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise EngineError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise EngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                              f"model's context of {self.max_model_len} tokens; shorten the prompt or "
+                              "lower max_tokens")
+        try:
+            params = check_sampling(temperature, top_p, top_k, seed)
+        except Eagle3Error as e:
+            raise EngineError(str(e)) from None
+        try:
+            stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
+                                                 else stop_token_ids))
+        except (TypeError, ValueError):
+            raise EngineError("stop_token_ids must be a list of integer token ids") from None
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or timeout_s <= 0):
+            raise EngineError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        need = self._worst_case(len(prompt_ids), max_tokens)
+        if self.pool.pages_for(need) > self.pool.num_pages:
+            raise EngineError(f"the request needs {need} KV slots but the pool holds "
+                              f"{self.pool.total_tokens}; lower max_tokens or raise the KV pool "
+                              "(--max-kv-tokens)", 413)
+        with self.lock:
+            if len(self.waiting) >= self.config.max_queue:
+                raise EngineError(f"too many requests waiting ({len(self.waiting)}); retry later", 429)
+            r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, params, stop, on_event,
+                        timeout_s if timeout_s is not None else self.config.request_timeout_s)
+            r.accepted_per_pos = [0] * self.kmax
+            self.waiting.append(r)
+            self.lock.notify_all()
+        return r
+
+    def abort(self, request: Request | str, reason: str = "abort") -> None:
+        """Stop a request; its pages are freed at the next round boundary. No-op once done."""
+        with self.lock:
+            for r in [*self.waiting, *self.running]:
+                if r is request or r.id == request:
+                    r.abort_reason = r.abort_reason or reason
+            self.lock.notify_all()
+
+    def _worst_case(self, prompt_len: int, max_tokens: int) -> int:
+        return min(prompt_len + max_tokens + self.kmax + 1, self.max_model_len)
+
+    # -- the scheduler ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopping and not self.waiting and not self.running:
+                    self.lock.wait()
+                if self.stopping:
+                    break
+            try:
+                self.step()
+            except Exception:  # a bug in the scheduler itself: fail everyone, keep serving
+                notice("engine step failed:\n" + traceback.format_exc())
+                for r in list(self.running):
+                    self._finish(r, RequestState.FAILED, "error", error="internal engine error")
+        self._apply_aborts()
+
+    def step(self) -> bool:
+        """One scheduler iteration (aborts, admission, one round); False when there was nothing to do."""
+        self._apply_aborts()
+        self._admit()
+        if not self.running:
+            return False
+        batch = list(self.running)
+        k = self._choose_k(batch)
+        try:
+            rows = run_round(self.runner, batch, k)
+        except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
+            notice(f"a batched round failed ({type(e).__name__}: {e}); failing its {len(batch)} requests")
+            for r in batch:
+                self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
+            return True
+        self.k_history.setdefault(len(batch), {}).setdefault(k, 0)
+        self.k_history[len(batch)][k] += 1
+        now = time.perf_counter()
+        for row in rows:
+            r = row.req
+            if row.drafted:
+                self.auto.record(row.drafted, row.accepted)
+            if row.new:
+                r.last_token_at = now
+            if row.done:
+                self._finish(r, RequestState.FINISHED, self._reason(r), row.new)
+            elif row.new:
+                self._emit(r, row.new)
+        return True
+
+    def _choose_k(self, batch: list[Request]) -> int:
+        greedy = [r for r in batch if r.sampler is None]
+        if not self.speculate or not greedy:
+            return 0
+        room = max(r.max_tokens - len(r.token_ids) - 1 for r in greedy)
+        if self.config.num_draft_tokens is not None:
+            k = self.config.num_draft_tokens
+        else:
+            k = self.costs.best_k(len(batch), self.auto, self.kmax)
+        return max(0, min(k, room))
+
+    def _admit(self) -> None:
+        while len(self.running) < self.config.max_batch:
+            with self.lock:
+                if not self.waiting:
+                    return
+                r = self.waiting[0]
+                need = self._worst_case(len(r.prompt_ids), r.max_tokens)
+                if not self.pool.can_admit(need):
+                    return  # first come, first served: it waits for pages to free up
+                self.waiting.popleft()
+                self.pool.admit(r.id, need)
+                r.state = RequestState.RUNNING
+                self.running.append(r)
+            r.admitted_at = time.perf_counter()
+            try:
+                first = self._prefill(r)
+            except Exception as e:
+                self._finish(r, RequestState.FAILED, "error",
+                             error=f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            r.first_token_at = r.last_token_at = time.perf_counter()
+            if first in r.stop_ids or r.max_tokens == 1:
+                self._finish(r, RequestState.FINISHED, self._reason(r), [first])
+            else:
+                self._emit(r, [first])
+
+    @torch.no_grad()
+    def _prefill(self, r: Request) -> int:
+        n = len(r.prompt_ids)
+        self.pool.grow(r.id, n)
+        prompt = torch.tensor([r.prompt_ids])
+        logits, taps = self.runner.target_forward([r.id], [0], prompt, last_only=True)
+        if not r.params.greedy:
+            r.sampler = Sampler(r.params)
+            first = int(r.sampler.sample(r.sampler.probs(logits[0, -1])))
+        else:
+            first = int(logits[0, -1].argmax())
+        r.token_ids.append(first)
+        r.target_len = n
+        if self.runner.draft is not None and first not in r.stop_ids and r.max_tokens > 1:
+            r.pending_ids, r.pending_feats = [*r.prompt_ids[1:], first], [taps[0]]
+            self.runner.catch_up([r])
+        return first
+
+    def _emit(self, r: Request, new: list[int]) -> None:
+        if r.on_event is None:
+            return
+        try:
+            r.on_event(r, new, False)
+        except Exception as e:  # the request's own consumer failed: it alone fails
+            self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _reason(r: Request) -> str:
+        return "stop" if r.token_ids and r.token_ids[-1] in r.stop_ids else "length"
+
+    def _apply_aborts(self) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            doomed = []
+            for r in [*self.waiting, *self.running]:
+                if r.abort_reason is None and r.timeout_s is not None and now - r.arrival > r.timeout_s:
+                    r.abort_reason = "timeout"
+                if r.abort_reason is not None:
+                    doomed.append(r)
+        for r in doomed:
+            self._finish(r, RequestState.ABORTED, r.abort_reason)
+
+    def _finish(self, r: Request, state: RequestState, reason: str, new: list[int] | None = None,
+                error: str | None = None) -> None:
+        """Retire a request: free its pages, record it, tell its consumer (once)."""
+        with self.lock:
+            if r.state in DONE:
+                return
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if r in self.running:
+                self.running.remove(r)
+            self.pool.release(r.id)
+            r.state, r.finish_reason, r.error = state, reason, error
+            r.finished_at = time.perf_counter()
+            r.pending_ids, r.pending_feats, r.boundary = [], [], None
+            key = {RequestState.FINISHED: "requests_finished", RequestState.ABORTED: "requests_aborted",
+                   RequestState.FAILED: "requests_failed"}[state]
+            self.outcomes[key] += 1
+            m = r.metrics
+            for c in COUNTERS:
+                self.totals[c] += m[c]
+            for i, n in enumerate(r.accepted_per_pos):
+                self.totals_per_pos[i] += n
+        if r.on_event is not None:
+            try:
+                r.on_event(r, list(new or []), True)
+            except Exception as e:  # nothing left to fail; note it
+                notice(f"request {r.id}: its final callback raised {type(e).__name__}: {e}")
+        r._done.set()
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Counters (over all requests, live) and gauges, with vLLM's names."""
+        with self.lock:
+            out: dict[str, Any] = dict(self.totals)
+            per_pos = list(self.totals_per_pos)
+            for r in self.running:
+                m = r.metrics
+                for c in COUNTERS:
+                    out[c] += m[c]
+                for i, n in enumerate(r.accepted_per_pos):
+                    per_pos[i] += n
+            out["spec_decode_num_accepted_tokens_per_pos"] = per_pos
+            out.update(self.outcomes)
+            out["num_running"] = len(self.running)
+            out["num_waiting"] = len(self.waiting)
+            out["kv_used_tokens"] = self.pool.used_tokens
+            out["kv_total_tokens"] = self.pool.total_tokens
+            out["kv_usage"] = self.pool.used_tokens / self.pool.total_tokens
+            out["speculation"] = self.speculate
+        return out
+
+
+def check_engine_target(spec: Any) -> None:
+    """The engine runs eager native targets with full attention; refuse the rest in one line."""
+    from ..targets.decoder import NativeTarget
+
+    if type(spec).__name__ == "ExecutorchSpeculator":
+        raise Eagle3Error("the engine runs the eager backend; serve an exported program is not supported "
+                          "yet (load without backend='executorch')")
+    if not isinstance(spec.target, NativeTarget):
+        raise Eagle3Error("the engine needs a native target (backend 'native' or 'auto'); the transformers "
+                          "adapter has no batched paged cache")
+    cfg = spec.target.config
+    if any(w is not None for w in cfg.layer_windows):
+        raise Eagle3Error(f"the engine does not support sliding-window attention yet ({cfg.architecture}); "
+                          "use eagle3 generate for this model")

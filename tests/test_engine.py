@@ -1,0 +1,333 @@
+"""The serving engine: lossless under batching, KV pool accounting, abort/cleanup, metrics.
+
+Every engine output is compared with single-request plain greedy decoding
+(`Eagle3Speculator.generate` without a head), for heads that agree with the
+target fully, partly, erratically or not at all, with requests joining and
+leaving between rounds, stop ids inside accepted spans, the model's last
+position, and KV pools small enough that requests wait for pages.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from eagle3 import Eagle3Error
+from eagle3.draft import attach_head, random_head
+from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
+from eagle3.engine.kv import PagePool
+from eagle3.engine.step import DraftPlan, commit, draft, plan_verify, reserve, verify
+from eagle3.speculator import Eagle3Speculator
+from eagle3.targets import load_target
+from heads import forced_head, save_bigram_target
+
+V = 160
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    return save_bigram_target(str(tmp_path_factory.mktemp("engine") / "bigram"))
+
+
+@pytest.fixture(scope="module")
+def random_target(tmp_path_factory):
+    from conftest import make_hf_model
+
+    d = str(tmp_path_factory.mktemp("engine") / "llama")
+    make_hf_model("llama", seed=3).save_pretrained(d)
+    return d
+
+
+_SPECS: dict = {}
+
+
+def spec_for(path: str, mode: str, max_seq_len: int | None = None) -> Eagle3Speculator:
+    key = (path, mode, max_seq_len)
+    if key not in _SPECS:
+        t = load_target(path, max_seq_len=max_seq_len)
+        head = random_head(t, seed=5) if mode == "random" else forced_head(t, mode)
+        attach_head(head, t, taps=(1, 2, 3))
+        _SPECS[key] = Eagle3Speculator(t, head)
+    return _SPECS[key]
+
+
+def prompts(n: int, seed: int, low: int = 1, high: int = 30) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, V, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def plain(spec: Eagle3Speculator, prompt: list[int], n: int, stop=None) -> list[int]:
+    return spec.plain().generate(prompt, n, stop_token_ids=stop).token_ids
+
+
+def run_all(engine: Engine, requests: list[tuple[list[int], int]], **kw) -> list:
+    engine.start(background=False)
+    reqs = [engine.submit(p, n, **kw) for p, n in requests]
+    engine.run_until_idle()
+    return reqs
+
+
+# -- losslessness under batching ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["full", "partial", "zero", "mixed", "random"])
+@pytest.mark.parametrize("k", [1, 3, None])
+def test_batched_speculation_equals_single_request_greedy(bigram, random_target, mode, k):
+    spec = spec_for(random_target if mode == "random" else bigram, mode)
+    ps = prompts(10, seed=hash((mode, k)) % 1000)
+    lens = [5 + 7 * i % 40 for i in range(len(ps))]
+    engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=k))
+    reqs = run_all(engine, list(zip(ps, lens)), stop_token_ids=[])
+    for r, p, n in zip(reqs, ps, lens):
+        assert r.state == RequestState.FINISHED and r.finish_reason == "length"
+        assert r.token_ids == plain(spec, p, n, stop=[]), (mode, k, p)
+    m = engine.metrics()
+    assert m["kv_used_tokens"] == 0 and m["num_running"] == 0
+    assert m["requests_finished"] == len(ps)
+    if mode == "full" and k is not None:  # the forced head is always right
+        assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
+    if mode == "zero":
+        assert m["spec_decode_num_accepted_tokens"] == 0 and m["spec_decode_num_drafts"] > 0
+    assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
+
+
+def test_requests_joining_between_rounds_and_waiting_for_pages(bigram):
+    """A pool of 4 pages x 16: requests wait for pages; each joins a running batch mid-flight."""
+    spec = spec_for(bigram, "mixed")
+    ps = prompts(7, seed=11, low=2, high=12)
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=4, max_kv_tokens=64, page_size=16))
+    engine.start(background=False)
+    reqs = []
+    for i, p in enumerate(ps):  # a new request every other step
+        reqs.append(engine.submit(p, 20 + i, stop_token_ids=[]))
+        engine.step()
+        engine.step()
+        assert engine.pool.used_tokens <= 64 and engine.pool.reserved <= engine.pool.num_pages
+    engine.run_until_idle()
+    for r, p, i in zip(reqs, ps, range(len(ps))):
+        assert r.token_ids == plain(spec, p, 20 + i, stop=[])
+    sizes = set(engine.k_history)
+    assert max(sizes) > 1  # requests did share rounds
+    assert engine.pool.used_tokens == 0 and engine.pool.reserved == 0
+
+
+def test_stop_ids_inside_accepted_spans_and_the_last_position(bigram):
+    spec = spec_for(bigram, "full", max_seq_len=48)
+    ps = prompts(6, seed=13, low=3, high=20)
+    wants = [plain(spec, p, 48 - len(p), stop=[]) for p in ps]
+    stops = [w[5] for w in wants]  # likely inside a span of K=6 accepted drafts
+    engine = Engine(spec, EngineConfig(max_batch=6, num_draft_tokens=6))
+    engine.start(background=False)
+    reqs = [engine.submit(p, 48 - len(p), stop_token_ids=[s]) for p, s in zip(ps, stops)]
+    to_end = [engine.submit(p, 48 - len(p), stop_token_ids=[]) for p in ps]  # the model's last slot
+    engine.run_until_idle()
+    for r, p, s in zip(reqs, ps, stops):
+        assert r.token_ids == plain(spec, p, 48 - len(p), stop=[s]) and r.finish_reason == "stop"
+    for r, w in zip(to_end, wants):
+        assert r.token_ids == w and len(r.token_ids) + len(r.prompt_ids) == 48
+
+
+def test_speculation_off_and_sampling(bigram, random_target):
+    spec = spec_for(random_target, "random")
+    ps = prompts(5, seed=17)
+    off = run_all(Engine(spec, EngineConfig(max_batch=3, speculate=False)), [(p, 12) for p in ps])
+    assert [r.token_ids for r in off] == [plain(spec, p, 12) for p in ps]
+    # Sampled rows decode plainly inside speculative batches: the same draws as plain sampling.
+    engine = Engine(spec, EngineConfig(max_batch=5, num_draft_tokens=3))
+    engine.start(background=False)
+    greedy = [engine.submit(p, 12) for p in ps[:2]]
+    sampled = [engine.submit(p, 12, temperature=0.9, top_p=0.9, seed=i) for i, p in enumerate(ps[2:])]
+    engine.run_until_idle()
+    assert [r.token_ids for r in greedy] == [plain(spec, p, 12) for p in ps[:2]]
+    for i, (r, p) in enumerate(zip(sampled, ps[2:])):
+        want = spec.plain().generate(p, 12, temperature=0.9, top_p=0.9, seed=i).token_ids
+        assert r.token_ids == want
+
+
+# -- the speculative transaction -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,accepted", [("full", 3), ("zero", 0), ("partial", 1)])
+def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram, mode, accepted):
+    """One round by hand: target length advances by a+1, the draft gets [d1..da, c] pending, and
+    the K/V kept for the request equals a fresh prefill of the same tokens (rejected slots rewritten)."""
+    spec = spec_for(bigram, mode)
+    engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=3)).start(background=False)
+    ps = prompts(2, seed=19, low=5, high=9)
+    reqs = [engine.submit(p, 30, stop_token_ids=[]) for p in ps]
+    engine._admit()
+    before = [r.target_len for r in reqs]
+    plan = DraftPlan(reqs, 3)
+    reserve(engine.runner, plan)
+    drafts = draft(engine.runner, plan)
+    rows = commit(engine.runner, plan, drafts, verify(engine.runner, plan, plan_verify(plan, drafts)))
+    for row, r, n0 in zip(rows, reqs, before):
+        assert row.accepted == accepted and len(row.new) == accepted + 1
+        assert r.target_len == n0 + accepted + 1
+        assert r.pending_ids == row.new and r.pending_feats[0].shape[0] == accepted + 1
+    engine.run_until_idle()  # a second round overwrites the rolled-back slots
+    for r in reqs:
+        assert r.token_ids == plain(spec, r.prompt_ids, 30, stop=[])
+    # K/V equality after rounds of rollback: rerun with a live request and compare the pool.
+    r = engine.submit(ps[0], 40, stop_token_ids=[])
+    for _ in range(4):
+        engine.step()
+    seq = r.prompt_ids + r.token_ids[:-1]
+    assert r.state == RequestState.RUNNING and r.target_len == len(seq)
+    cache = spec.target.new_cache(1, len(seq))
+    spec.target.forward_logits_taps(torch.tensor([seq]), torch.arange(len(seq)), cache, kv_len=len(seq))
+    slots = engine.pool.slots[r.id][:len(seq)]
+    for layer in range(spec.target.config.num_hidden_layers):
+        got = engine.runner.tkv.k[layer][slots]  # (n, nkv, hd)
+        torch.testing.assert_close(got, cache.k[layer][0, :, :len(seq)].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    engine.stop()
+    assert engine.pool.used_tokens == 0
+
+
+# -- abort, failure, timeout ---------------------------------------------------------------------------
+
+def test_abort_and_a_failing_request_free_their_pages_and_spare_the_others(bigram):
+    spec = spec_for(bigram, "mixed")
+    ps = prompts(6, seed=23, low=4, high=10)
+    engine = Engine(spec, EngineConfig(max_batch=6, num_draft_tokens=2)).start(background=False)
+
+    def explode(req, new, finished):
+        if not finished and len(req.token_ids) > 5:
+            raise RuntimeError("consumer went away")
+
+    reqs = [engine.submit(p, 40, stop_token_ids=[], on_event=explode if i == 2 else None)
+            for i, p in enumerate(ps)]
+    waiting = engine.submit(ps[0], 40, stop_token_ids=[])
+    engine.abort(waiting)  # aborted before it ever ran
+    for _ in range(3):
+        engine.step()
+    engine.abort(reqs[0])
+    engine.abort(reqs[4].id, reason="timeout")
+    engine.run_until_idle()
+    assert waiting.state == RequestState.ABORTED and waiting.token_ids == []
+    assert reqs[0].state == RequestState.ABORTED and reqs[0].finish_reason == "abort"
+    assert reqs[4].finish_reason == "timeout"
+    assert reqs[2].state == RequestState.FAILED and "consumer went away" in reqs[2].error
+    for i in (1, 3, 5):
+        assert reqs[i].token_ids == plain(spec, ps[i], 40, stop=[])
+    m = engine.metrics()
+    assert m["kv_used_tokens"] == 0 and engine.pool.reserved == 0
+    assert (m["requests_finished"], m["requests_aborted"], m["requests_failed"]) == (3, 3, 1)
+
+
+def test_timeouts_and_the_background_thread(bigram):
+    spec = spec_for(bigram, "full")
+    engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=2)).start()
+    try:
+        events = []
+        done = threading.Event()
+
+        def on_event(req, new, finished):
+            events.append((list(new), finished))
+            if finished:
+                done.set()
+
+        p = prompts(1, seed=29)[0]
+        r = engine.submit(p, 30, stop_token_ids=[], on_event=on_event)
+        assert r.wait(30) and done.wait(5)
+        assert [t for new, _ in events for t in new] == r.token_ids == plain(spec, p, 30, stop=[])
+        assert [f for _, f in events].count(True) == 1 and events[-1][1]
+        slow = engine.submit(p, 200, stop_token_ids=[], timeout_s=1e-3)
+        assert slow.wait(30) and slow.finish_reason == "timeout"
+        m = r.metrics
+        assert m["ttft_s"] > 0 and m["e2e_s"] >= m["ttft_s"] and m["queue_s"] >= 0
+    finally:
+        engine.stop()
+    assert engine.metrics()["kv_used_tokens"] == 0
+    with pytest.raises(EngineError) as e:
+        engine.submit([1, 2], 3)
+    assert e.value.status == 503
+
+
+def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(bigram):
+    spec = spec_for(bigram, "full")
+    engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=2)).start(background=False)
+    ps = prompts(3, seed=31)
+    first = [engine.submit(p, 20, stop_token_ids=[]) for p in ps]
+    engine._admit()
+    real = engine.runner.target_forward
+    engine.runner.target_forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    engine.step()
+    engine.runner.target_forward = real
+    assert all(r.state == RequestState.FAILED and "device lost" in r.error for r in first)
+    assert engine.pool.used_tokens == 0
+    later = engine.submit(ps[0], 20, stop_token_ids=[])
+    engine.run_until_idle()
+    assert later.token_ids == plain(spec, ps[0], 20, stop=[])
+
+
+# -- admission and errors ---------------------------------------------------------------------------------
+
+def test_submit_errors_carry_http_statuses(bigram):
+    spec = spec_for(bigram, "full", max_seq_len=64)
+    engine = Engine(spec, EngineConfig(max_batch=1, max_queue=2, max_kv_tokens=48, num_draft_tokens=2))
+    with pytest.raises(EngineError) as e:
+        engine.submit([1], 2)
+    assert e.value.status == 503
+    engine.start(background=False)
+    cases = [(([], 3), 400), (([1, 2], 0), 400), (([V], 3), 400), ((["a"], 3), 400),
+             (([1] * 40, 25), 400), (([1] * 30, 30), 413)]
+    for (p, n), status in cases:
+        with pytest.raises(EngineError) as e:
+            engine.submit(p, n)
+        assert e.value.status == status, (p, n)
+        assert "\n" not in str(e.value)
+    with pytest.raises(EngineError, match="temperature"):
+        engine.submit([1, 2], 3, temperature=-1)
+    engine.submit([1, 2], 3)
+    engine.submit([1, 2], 3)
+    with pytest.raises(EngineError) as e:
+        engine.submit([1, 2], 3)
+    assert e.value.status == 429
+    engine.run_until_idle()
+    assert engine.metrics()["requests_finished"] == 2 and engine.pool.used_tokens == 0
+
+
+def test_engine_refuses_unsupported_setups(tmp_path, bigram):
+    from conftest import make_hf_model
+
+    d = str(tmp_path / "mistral")
+    make_hf_model("mistral", seed=1).save_pretrained(d)
+    with pytest.raises(Eagle3Error, match="sliding-window"):
+        Engine(Eagle3Speculator(load_target(d)))
+    with pytest.raises(Eagle3Error, match="native target"):
+        Engine(Eagle3Speculator(load_target(bigram, backend="hf")))
+    spec = spec_for(bigram, "full")
+    for bad in (dict(max_batch=0), dict(num_draft_tokens=-1), dict(max_kv_tokens=0)):
+        with pytest.raises(Eagle3Error):
+            Engine(spec, EngineConfig(**bad))
+
+
+def test_page_pool_is_all_or_nothing():
+    pool = PagePool(4, 8)
+    pool.admit("a", 20)  # 3 pages promised
+    assert not pool.can_admit(16) and pool.can_admit(8)
+    pool.grow("a", 9)
+    assert pool.used_tokens == 16 and pool.slots["a"].tolist() == list(range(16))
+    with pytest.raises(Eagle3Error, match="outgrew"):
+        pool.grow("a", 25)  # would need a 4th page: nothing allocated
+    assert pool.used_tokens == 16
+    pool.release("a")
+    pool.release("a")
+    assert pool.used_tokens == 0 and pool.reserved == 0 and sorted(pool.free) == [0, 1, 2, 3]
+
+
+def test_automatic_k_uses_the_measured_costs(bigram):
+    spec = spec_for(bigram, "full")
+    engine = Engine(spec, EngineConfig(max_batch=4)).start(background=False)
+    assert set(engine.costs.verify) == {1, 2, 4}
+    ps = prompts(4, seed=37)
+    reqs = [engine.submit(p, 24, stop_token_ids=[]) for p in ps]
+    t0 = time.perf_counter()
+    engine.run_until_idle()
+    assert time.perf_counter() - t0 < 60
+    assert [r.token_ids for r in reqs] == [plain(spec, p, 24, stop=[]) for p in ps]
+    # a head that is always right: the model predicts speculation pays at small batches
+    assert engine.costs.best_k(1, engine.auto, engine.kmax) > 0
