@@ -273,3 +273,47 @@ def test_parse_trees():
     for bad in ("4x8", "ax2x3", "1x3x4"):
         with pytest.raises(Eagle3Error):
             parse_trees(bad)
+
+
+# -- the serving benchmark (--concurrency) ----------------------------------------------------------------
+
+def test_concurrency_bench_reports_both_modes_per_concurrency(spec):
+    from eagle3.bench.serving import markdown_concurrency, run_concurrency_bench
+
+    prompts = PROMPTS * 2
+    report = run_concurrency_bench(spec, prompts, [1, 3], max_new_tokens=12, repeats=2, num_draft_tokens=3)
+    assert TOP_KEYS - {"best_k", "rows", "peers", "cost_model"} <= set(report)
+    assert [row["concurrency"] for row in report["concurrency"]] == [1, 3]
+    for row in report["concurrency"]:
+        assert row["plain"]["speculation"] is False and row["eagle"]["speculation"] is True
+        assert row["outputs_identical"] is True and row["plain"]["outputs_identical"] is True
+        assert row["speedup"] == row["eagle"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        eagle = row["eagle"]
+        # the full-acceptance head: every counted draft accepted; 2 repetitions x 6 prompts x 11 tokens
+        # after the prefill token, K=3 rounds emit 4 tokens, the last ones fewer
+        assert eagle["mean_accept_len"] > 3 and eagle["accept_len_hist"][0] == 0
+        assert sum(eagle["accepted_per_position"]) == sum(i * n for i, n in enumerate(eagle["accept_len_hist"]))
+        assert row["plain"]["mean_accept_len"] is None and row["plain"]["ttft_ms_median"] > 0
+    assert max(int(b) for b in report["concurrency"][1]["eagle"]["rounds_by_batch_and_k"]) == 3
+    text = markdown_concurrency(report)
+    assert "| 3 | on |" in text and "| 1 | off |" in text
+
+
+@pytest.mark.slow
+def test_cli_concurrency_json(dirs, tmp_path, capsys):
+    target, head, prompts = dirs
+    out = tmp_path / "serve.json"
+    assert main(["bench", "--target", target, "--draft", head, "--prompts", prompts, "--max-new-tokens", "10",
+                 "--concurrency", "1,2", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mode"] == "concurrency" and report["outputs_identical"] is True
+    assert report["settings"]["num_draft_tokens"] == "auto"
+    assert report["concurrency"][1]["eagle"]["batch_costs_ms"]["verify_ms"].keys() == {"1", "2"}
+    for bad, want in ((["--concurrency", "0,2"], "--concurrency"), (["--concurrency", "x"], "--concurrency"),
+                      (["--concurrency", "2", "--backend", "hf"], "eager native backend"),
+                      (["--concurrency", "2", "--draft", "none"], "needs a draft head")):
+        args = ["bench", "--target", target, "--draft", head, "--prompts", prompts] + bad
+        if "--draft" in bad:
+            args = ["bench", "--target", target, "--prompts", prompts] + bad
+        assert main(args) == 2, bad
+        assert want in err(capsys), bad

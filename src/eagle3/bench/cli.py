@@ -66,6 +66,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     b.add_argument("--compile", action="store_true",
                    help="run our engine's decode/verify/draft steps through torch.compile (compiles "
                         "each step shape once: minutes on a small CPU the first time, cached on disk)")
+    b.add_argument("--concurrency", default=None, metavar="1,4,8",
+                   help="serving benchmark instead: the engine (eagle3.engine) with speculation off vs "
+                        "on at each concurrency (requests decoded together; every prompt queued at "
+                        "once), interleaved; reports throughput over all requests, time to first "
+                        "token, inter-token latency. K: auto per batch size, or one integer from "
+                        "--num-draft-tokens. Chain/tree rows and peers are not run")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
     b.add_argument("--peers", default=None, metavar="hf,lookup,assisted",
                    help="transformers peers: hf (greedy generate), lookup (prompt lookup), assisted "
@@ -234,6 +240,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_matplotlib()
     records = (read_prompt_records(args.prompts) if args.prompts is not None
                else default_prompt_records(args.target))
+    if args.concurrency is not None:
+        return _cmd_concurrency(args, records, ks, auto)
 
     import torch
 
@@ -293,6 +301,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .plots import save_plots
 
         save_plots(report, args.plots)
+    return 0
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        cs = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        cs = []
+    if not cs or cs[0] < 1 or cs[-1] > 256:
+        raise Eagle3Error(f"--concurrency takes comma-separated integers in 1..256 (e.g. 1,4,8), "
+                          f"got '{text}'")
+    return cs
+
+
+def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], auto: bool) -> int:
+    """`eagle3 bench --concurrency ...`: the serving benchmark (bench/serving.py)."""
+    import torch
+
+    import eagle3
+
+    from .serving import markdown_concurrency, run_concurrency_bench
+
+    concurrencies = parse_concurrency(args.concurrency)
+    if args.backend not in ("auto", "eager", "native") or args.compile:
+        raise Eagle3Error("--concurrency measures the engine, which runs the eager native backend; drop "
+                          "--backend/--program/--compile")
+    k = None if auto or len(ks) != 1 else ks[0]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
+                       max_seq_len=args.max_seq_len, taps=args.taps)
+    if spec.draft is None:
+        raise Eagle3Error("--concurrency compares speculation off vs on: it needs a draft head (--draft DIR)")
+    prompts = encode_prompts(records, spec, args.max_new_tokens)
+    report = run_concurrency_bench(spec, prompts, concurrencies, max_new_tokens=args.max_new_tokens,
+                                   repeats=args.repeats, num_draft_tokens=k, progress=sys.stderr.isatty())
+    report["settings"].update(target=args.target, draft=args.draft, threads=torch.get_num_threads())
+    print(markdown_concurrency(report))
+    if args.json:
+        _write(args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 

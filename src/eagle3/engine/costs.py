@@ -36,6 +36,18 @@ def probe_batch_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+def fit_line(ms: list[float]) -> list[float]:
+    """Timings at T = 1..n smoothed to a + b*T (Theil-Sen: median pairwise slope, b >= 0), so one
+    disturbed measurement on a busy machine cannot make a larger K look cheaper than a smaller one."""
+    n = len(ms)
+    if n < 2:
+        return list(ms)
+    slopes = [(ms[j] - ms[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
+    b = max(0.0, statistics.median(slopes))
+    a = statistics.median(m - b * t for t, m in enumerate(ms))
+    return [a + b * t for t in range(n)]
+
+
 class BatchCosts:
     """Milliseconds of the batched forwards, per measured batch size."""
 
@@ -47,7 +59,8 @@ class BatchCosts:
     @torch.no_grad()
     def measure(cls, runner: BatchRunner, batch_sizes: list[int], kmax: int, context: int,
                 repeats: int = 3) -> BatchCosts:
-        """Time the forwards on fake rows of `context` positions (interleaved, medians)."""
+        """Time the forwards on fake rows of `context` positions (interleaved medians, then a
+        line in T per batch size: `fit_line`)."""
         pool: PagePool = runner.pool
         T_all = list(range(1, kmax + 2))
         verify: dict[int, list[float]] = {}
@@ -77,8 +90,8 @@ class BatchCosts:
                         if rep:
                             tv[T].append((t1 - t0) * 1e3)
                             tc[T].append((t2 - t1) * 1e3)
-                verify[B] = [statistics.median(tv[T]) for T in T_all]
-                catch_up[B] = [statistics.median(tc[T]) for T in T_all]
+                verify[B] = fit_line([statistics.median(tv[T]) for T in T_all])
+                catch_up[B] = fit_line([statistics.median(tc[T]) for T in T_all])
             finally:
                 for rid in rids:
                     pool.release(rid)

@@ -91,6 +91,7 @@ class Engine:
         self.ids = itertools.count(1)
         self.totals = dict.fromkeys(COUNTERS, 0)
         self.totals_per_pos = [0] * self.kmax
+        self.totals_hist = [0] * (self.kmax + 1)
         self.outcomes = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
         self.k_history: dict[int, dict[int, int]] = {}  # batch size -> {k: rounds}
 
@@ -187,6 +188,7 @@ class Engine:
             r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, params, stop, on_event,
                         timeout_s if timeout_s is not None else self.config.request_timeout_s)
             r.accepted_per_pos = [0] * self.kmax
+            r.accept_len_hist = [0] * (self.kmax + 1)
             self.waiting.append(r)
             self.lock.notify_all()
         return r
@@ -349,6 +351,8 @@ class Engine:
                 self.totals[c] += m[c]
             for i, n in enumerate(r.accepted_per_pos):
                 self.totals_per_pos[i] += n
+            for i, n in enumerate(r.accept_len_hist):
+                self.totals_hist[i] += n
         if r.on_event is not None:
             try:
                 r.on_event(r, list(new or []), True)
@@ -361,14 +365,19 @@ class Engine:
         """Counters (over all requests, live) and gauges, with vLLM's names."""
         with self.lock:
             out: dict[str, Any] = dict(self.totals)
-            per_pos = list(self.totals_per_pos)
+            per_pos, hist = list(self.totals_per_pos), list(self.totals_hist)
             for r in self.running:
                 m = r.metrics
                 for c in COUNTERS:
                     out[c] += m[c]
                 for i, n in enumerate(r.accepted_per_pos):
                     per_pos[i] += n
+                for i, n in enumerate(r.accept_len_hist):
+                    hist[i] += n
             out["spec_decode_num_accepted_tokens_per_pos"] = per_pos
+            out["accept_len_hist"] = hist
+            drafts = out["spec_decode_num_drafts"]
+            out["mean_accept_len"] = 1.0 + out["spec_decode_num_accepted_tokens"] / drafts if drafts else None
             out.update(self.outcomes)
             out["num_running"] = len(self.running)
             out["num_waiting"] = len(self.waiting)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import Eagle3Error
+from ..targets.decoder import slots_upto
 
 
 class PagePool:
@@ -39,6 +40,7 @@ class PagePool:
         self.pages: dict[str, list[int]] = {}
         self.slots: dict[str, torch.Tensor] = {}  # request -> (n_pages * page_size,) slot ids
         self.promised: dict[str, int] = {}
+        self.version = 0  # bumped whenever a page table changes (read tables built before are stale)
 
     def pages_for(self, n_positions: int) -> int:
         return -(-n_positions // self.page_size)
@@ -67,6 +69,7 @@ class PagePool:
             raise Eagle3Error(f"request {rid} outgrew its KV reservation ({self.promised[rid]} pages)")
         new = [self.free.pop() for _ in range(need)]
         pages.extend(new)
+        self.version += 1
         ps = self.page_size
         fresh = (torch.tensor(new)[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
         self.slots[rid] = torch.cat([self.slots[rid], fresh])
@@ -76,6 +79,7 @@ class PagePool:
         if rid not in self.pages:
             return
         self.free.extend(reversed(self.pages.pop(rid)))
+        self.version += 1
         self.reserved -= self.promised.pop(rid)
         del self.slots[rid]
 
@@ -120,23 +124,31 @@ class PagedKV:
         return keys, values
 
 
-def batch_layout(pool: PagePool, rids: list[str], starts: list[int], counts: list[int], T: int,
+def read_table(pool: PagePool, rids: list[str]) -> torch.Tensor:
+    """(B, S) slot ids of positions 0..S-1 per row, S = the longest row's allocation; trash past a row's."""
+    slots = [pool.slots[rid] for rid in rids]
+    S = max(s.shape[0] for s in slots)
+    table = torch.full((len(rids), S), pool.trash, dtype=torch.long)
+    for b, s in enumerate(slots):
+        table[b, :s.shape[0]] = s
+    return table
+
+
+def batch_layout(table: torch.Tensor, trash: int, starts: list[int], counts: list[int] | None, T: int,
                  max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots, positions and mask for rows writing `counts[b]` valid tokens (of T) at `starts[b]`.
 
-    Returns write_slots (B, T), read_slots (B, S), rope positions (B, T) and the
-    attention mask (B, 1, T, S). A token is valid when t < counts[b] and its
-    position < max_len; invalid ones write to the trash slot at position 0.
+    `table` is `read_table` of the rows. Returns write_slots (B, T), read_slots (B, S),
+    rope positions (B, T) and the attention mask (B, 1, T, S). A token is valid when
+    t < counts[b] and its position is allocated (so < max_len); invalid ones write to the
+    trash slot and take position 0.
     """
-    B = len(rids)
-    start = torch.tensor(starts)  # (B,)
-    pos = start[:, None] + torch.arange(T)[None, :]  # (B, T)
-    valid = (torch.arange(T)[None, :] < torch.tensor(counts)[:, None]) & (pos < max_len)
-    S = min(max(s + T for s in starts), max_len)
-    read = torch.full((B, S), pool.trash, dtype=torch.long)
-    for b, rid in enumerate(rids):
-        slots = pool.slots[rid][:S]
-        read[b, :slots.shape[0]] = slots
-    write = read.gather(1, pos.clamp(max=S - 1)).masked_fill(~valid, pool.trash)
-    mask = torch.arange(S)[None, None, :] <= pos[:, :, None]  # (B, T, S)
+    S = min(max(starts) + T, max_len, table.shape[1])  # rows only ever write allocated positions
+    read = table[:, :S]
+    pos = torch.tensor(starts)[:, None] + slots_upto(T)[None, :]  # (B, T)
+    valid = pos < S
+    if counts is not None:
+        valid &= slots_upto(T)[None, :] < torch.tensor(counts)[:, None]
+    write = read.gather(1, pos.clamp(max=S - 1)).masked_fill(~valid, trash)
+    mask = slots_upto(S)[None, None, :] <= pos[:, :, None]  # (B, T, S)
     return write, read, pos.masked_fill(~valid, 0), mask[:, None]

@@ -64,6 +64,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    accept_len_hist: list[int] = field(default_factory=list)  # rounds by accepted length 0..K
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -101,5 +102,6 @@ class Request:
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "accept_len_hist": list(self.accept_len_hist),
             "mean_accept_len": 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else None,
         }

@@ -23,7 +23,7 @@ import torch
 
 from ..decoding.chain import emit
 from ..targets.decoder import slots_upto
-from .kv import PagedKV, PagePool, batch_layout
+from .kv import PagedKV, PagePool, batch_layout, read_table
 from .request import Request
 
 
@@ -38,19 +38,26 @@ class BatchRunner:
         self.max_len = cfg.max_seq_len
         self.tkv = PagedKV(cfg.num_hidden_layers, pool.total_tokens, cfg.num_key_value_heads,
                            cfg.head_dim, dtype=w.dtype, device=w.device)
+        self._table, self._table_key = None, None
         self.dkv = None
         if self.draft is not None:
             dc = self.draft.config
             self.dkv = PagedKV(1, pool.total_tokens, dc.num_key_value_heads, dc.head_dim,
                                dtype=self.draft.fc.weight.dtype, device=w.device)
 
+    def layout(self, rids: list[str], starts: list[int], counts: list[int] | None, T: int):
+        """`batch_layout` over a read table cached until the rows or their pages change."""
+        key = (tuple(rids), self.pool.version)
+        if self._table_key != key:
+            self._table, self._table_key = read_table(self.pool, rids), key
+        return batch_layout(self._table, self.pool.trash, starts, counts, T, self.max_len)
+
     @torch.no_grad()
     def target_forward(self, rids: list[str], starts: list[int], tokens: torch.Tensor,
                        counts: list[int] | None = None,
                        last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, T) at positions starts[b].. -> logits (B, T|1, V), raw taps (B, T, n*H) or None."""
-        B, T = tokens.shape
-        write, read, pos, mask = batch_layout(self.pool, rids, starts, counts or [T] * B, T, self.max_len)
+        write, read, pos, mask = self.layout(rids, starts, counts, tokens.shape[1])
         self.tkv.prepare(read)
         return self.target.forward_logits_taps(
             tokens, write, self.tkv, attn_mask=mask, rope_pos=pos, key_slots=slots_upto(read.shape[1]),
@@ -60,8 +67,7 @@ class BatchRunner:
     def draft_forward(self, rids: list[str], starts: list[int], tokens: torch.Tensor,
                       feature: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) with features (B, T, H) -> draft greedy target ids (B, T), features (B, T, H)."""
-        B, T = tokens.shape
-        write, read, pos, mask = batch_layout(self.pool, rids, starts, counts, T, self.max_len)
+        write, read, pos, mask = self.layout(rids, starts, counts, tokens.shape[1])
         self.dkv.prepare(read)
         logits, h = self.draft(tokens, feature, write, self.dkv, attn_mask=mask, rope_pos=pos,
                                key_slots=slots_upto(read.shape[1]))
@@ -128,7 +134,7 @@ def draft(runner: BatchRunner, plan: DraftPlan) -> DraftResult:
     rids = [r.id for r in reqs]
     for i in range(k - 1):  # speculative draft slots after each row's committed ones
         ids, feature = runner.draft_forward(rids, [r.draft_len + i for r in reqs], drafts[-1][:, None],
-                                            feature, [1] * B)
+                                            feature, None)
         drafts.append(ids[:, 0])
     return DraftResult(torch.stack(drafts, dim=1))
 
@@ -181,6 +187,7 @@ def commit(runner: BatchRunner, plan: DraftPlan, drafts: DraftResult,
                 r.num_drafts += 1
                 r.num_draft_tokens += k_used
                 r.num_accepted += a_used
+                r.accept_len_hist[a_used] += 1
                 for i in range(a_used):
                     r.accepted_per_pos[i] += 1
         else:  # sampled rows decode plainly: one token from the target's distribution
