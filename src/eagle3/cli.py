@@ -188,6 +188,60 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import socket
+
+    try:
+        import uvicorn
+
+        from .serve import build_app
+    except ImportError as e:
+        raise Eagle3Error(f"eagle3 serve needs the serving extras ({e.name} is missing): "
+                          "pip install 'eagle3[serve]'") from None
+    import eagle3
+
+    from .engine import Engine, EngineConfig
+
+    if args.backend not in ("auto", "native"):
+        raise Eagle3Error(f"eagle3 serve runs the eager native target; --backend {args.backend} is not "
+                          "supported (use --backend auto or native)")
+    for name in ("port", "max_body_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise Eagle3Error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    name = args.model_name or ("eagle3-default" if args.target == "default"
+                               else os.path.basename(os.path.normpath(args.target)))
+    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       max_seq_len=args.max_seq_len)
+    k = None if args.num_draft_tokens in (None, "auto") else args.num_draft_tokens
+    engine = Engine(spec, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
+                                       max_kv_tokens=args.max_kv_tokens, speculate=not args.no_speculate,
+                                       num_draft_tokens=k, request_timeout_s=args.request_timeout))
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise Eagle3Error(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another "
+                          "--port or --host") from None
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises them: both end up here as
+    # KeyboardInterrupt, so the engine stops and the exit is clean.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        engine.start()
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, name, max_body_bytes=args.max_body_bytes),
+                                               log_level="warning", timeout_graceful_shutdown=5))
+        host, port = sock.getsockname()[:2]
+        print(f"eagle3: serving {name} on http://{host}:{port} (speculation "
+              f"{'on' if engine.speculate else 'off'})", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+        sock.close()
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_path
 
@@ -339,6 +393,49 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=None, help="torch threads while exporting")
     e.add_argument("--quiet", action="store_true", help="no progress lines")
     e.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (batched speculation)",
+                       description="Serve the model over an OpenAI-compatible HTTP API: POST "
+                       "/v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, "
+                       "/health and /metrics (Prometheus). Requests are batched by the engine "
+                       "(continuous batching over a paged KV pool), each speculating with the head; "
+                       "greedy outputs equal plain decoding's. Ctrl-C stops it. Needs pip install "
+                       "'eagle3[serve]'.")
+    s.add_argument("--target", default="default",
+                   help="target checkpoint directory (Hugging Face layout) or 'default' (the "
+                        "embedded model; default)")
+    s.add_argument("--draft", default=None,
+                   help="EAGLE-3 head directory, or 'none' for plain decoding (default: the default "
+                        "head for --target default, else none)")
+    s.add_argument("--backend", default="auto", metavar="auto|native",
+                   help="the engine runs the eager native PyTorch target: auto (default) or native")
+    s.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
+    s.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="context length in tokens, prompt + completion (default: "
+                        "min(max_position_embeddings, 4096))")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 listens on every interface)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default 8000; 0 picks a free one)")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model name clients must send (default: eagle3-default for the default "
+                        "target, else the target directory's name)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait beyond the batch; more are refused with 429 (default 64)")
+    s.add_argument("--max-kv-tokens", type=int, default=None, metavar="N",
+                   help="KV pool size in tokens, shared by all requests; a request reserves its prompt + "
+                        "max_tokens (default: max-batch x the context length)")
+    s.add_argument("--no-speculate", action="store_true",
+                   help="plain batched decoding even when a head is loaded (a baseline)")
+    s.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None, metavar="K|auto",
+                   help="draft tokens per round; auto (default) picks K per batch size from a cost "
+                        "model measured at start-up and the acceptance seen so far")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="abort a request after S seconds (answered 504); default: no limit")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body accepted; larger ones get 413 (default 1048576)")
+    s.set_defaults(func=cmd_serve)
 
     from .bench.cli import add_parser as add_bench_parser
 

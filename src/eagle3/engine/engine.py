@@ -142,6 +142,12 @@ class Engine:
         self._apply_aborts()  # when the thread never ran
 
     @property
+    def kv_bytes(self) -> int:
+        """Memory held by the KV pool (target layers and the head's layer)."""
+        kvs = [self.runner.tkv] + ([self.runner.dkv] if self.runner.dkv is not None else [])
+        return sum(t.numel() * t.element_size() for kv in kvs for t in (*kv.k, *kv.v))
+
+    @property
     def is_running(self) -> bool:
         alive = self.manual or (self.thread is not None and self.thread.is_alive())
         return alive and not self.stopping
@@ -194,7 +200,11 @@ class Engine:
         return r
 
     def abort(self, request: Request | str, reason: str = "abort") -> None:
-        """Stop a request; its pages are freed at the next round boundary. No-op once done."""
+        """Stop a request; its pages are freed at the next round boundary. No-op once done.
+
+        `reason` becomes its finish_reason; "stop" (a stop string found by the consumer)
+        finishes it normally (FINISHED), any other reason aborts it (ABORTED).
+        """
         with self.lock:
             for r in [*self.waiting, *self.running]:
                 if r is request or r.id == request:
@@ -326,8 +336,9 @@ class Engine:
                     r.abort_reason = "timeout"
                 if r.abort_reason is not None:
                     doomed.append(r)
-        for r in doomed:
-            self._finish(r, RequestState.ABORTED, r.abort_reason)
+        for r in doomed:  # "stop": the consumer found a stop string, a normal finish
+            state = RequestState.FINISHED if r.abort_reason == "stop" else RequestState.ABORTED
+            self._finish(r, state, r.abort_reason)
 
     def _finish(self, r: Request, state: RequestState, reason: str, new: list[int] | None = None,
                 error: str | None = None) -> None:

@@ -1,7 +1,8 @@
 """A request's lifecycle, its decoding state inside the engine, and its metrics.
 
     WAITING --admit--> RUNNING --> FINISHED (stop id / max_tokens)
-       |                  |------> ABORTED  (abort(), timeout, stop string)
+       |                  |------> FINISHED (abort(reason="stop"): a stop string)
+       |                  |------> ABORTED  (abort(), timeout, shutdown)
        '------------------'------> FAILED   (an exception in this request's handling)
 """
 
