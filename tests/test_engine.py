@@ -331,3 +331,100 @@ def test_automatic_k_uses_the_measured_costs(bigram):
     assert [r.token_ids for r in reqs] == [plain(spec, p, 24, stop=[]) for p in ps]
     # a head that is always right: the model predicts speculation pays at small batches
     assert engine.costs.best_k(1, engine.auto, engine.kmax) > 0
+
+
+# -- found in review ------------------------------------------------------------------------------------------
+
+def test_submissions_racing_stop_all_end(bigram):
+    """Threads submitting while the engine stops: each submission is refused (503) or ends."""
+    spec = spec_for(bigram, "full")
+    for trial in range(3):
+        engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=2, max_queue=1000)).start()
+        accepted, refused = [], []
+
+        def client():
+            for i in range(40):
+                try:
+                    accepted.append(engine.submit([1 + i % 50, 2], 20, stop_token_ids=[]))
+                except EngineError as e:
+                    assert e.status == 503
+                    refused.append(e)
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.01 * trial)
+        engine.stop()
+        for t in threads:
+            t.join()
+        assert all(r.wait(10) for r in accepted)
+        assert engine.pool.used_tokens == 0 and engine.pool.reserved == 0 and not engine.waiting
+
+
+def test_cost_probe_fits_a_tight_pool_and_leaks_nothing(bigram):
+    spec = spec_for(bigram, "full", max_seq_len=40)
+    for page, kv, batch in ((5, 65, 2), (16, 47, 3)):
+        engine = Engine(spec, EngineConfig(max_batch=batch, page_size=page, max_kv_tokens=kv))
+        engine.start(background=False)
+        assert engine.pool.reserved == 0 and engine.pool.used_tokens == 0 and not engine.pool.pages
+        p = prompts(1, seed=41, low=3, high=5)[0]
+        r = engine.submit(p, 10, stop_token_ids=[])
+        engine.run_until_idle()
+        assert r.token_ids == plain(spec, p, 10, stop=[])
+
+
+def test_a_failing_sampler_fails_only_its_request(bigram):
+    spec = spec_for(bigram, "mixed")
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=2)).start(background=False)
+    ps = prompts(3, seed=43, low=4, high=8)
+    greedy = [engine.submit(p, 16, stop_token_ids=[]) for p in ps[:2]]
+    sampled = engine.submit(ps[2], 16, temperature=1.0, seed=1, stop_token_ids=[])
+    engine._admit()
+
+    def broken(probs):
+        raise RuntimeError("sampler broke")
+
+    sampled.sampler.sample = broken
+    engine.run_until_idle()
+    assert sampled.state == RequestState.FAILED and "sampler broke" in sampled.error
+    assert [r.token_ids for r in greedy] == [plain(spec, p, 16, stop=[]) for p in ps[:2]]
+    assert engine.pool.used_tokens == 0
+
+
+def test_sampled_rows_keep_no_draft_backlog_and_plain_rounds_catch_up_alone(bigram):
+    """Sampled rows never draft (no pending taps); a greedy row after plain rounds catches up on
+    its own rather than padding the batch, and stays lossless."""
+    spec = spec_for(bigram, "mixed")
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3)).start(background=False)
+    ps = prompts(3, seed=47, low=4, high=8)
+    sampled = engine.submit(ps[0], 40, temperature=0.8, seed=3, stop_token_ids=[])
+    greedy = engine.submit(ps[1], 40, stop_token_ids=[])
+    engine._admit()
+    engine.config.num_draft_tokens = 0  # plain rounds: the greedy row's backlog grows
+    for _ in range(6):
+        engine.step()
+    assert sampled.pending_ids == [] and len(greedy.pending_ids) == 6
+    engine.config.num_draft_tokens = 3
+    sizes = []
+    real = engine.runner.catch_up_rows
+    engine.runner.catch_up_rows = lambda rows: (sizes.append([len(r.pending_ids) for r in rows]), real(rows))
+    late = engine.submit(ps[2], 20, stop_token_ids=[])
+    engine.run_until_idle()
+    assert [6] in sizes  # the backlog caught up alone
+    assert greedy.token_ids == plain(spec, ps[1], 40, stop=[])
+    assert late.token_ids == plain(spec, ps[2], 20, stop=[])
+    want = spec.plain().generate(ps[0], 40, temperature=0.8, seed=3, stop_token_ids=[]).token_ids
+    assert sampled.token_ids == want
+
+
+def test_best_k_counts_sampled_rows_as_one_token(bigram):
+    from eagle3.decoding.autok import AutoK
+    from eagle3.engine.costs import BatchCosts, fit_line
+
+    flat = [10.0] * 9  # verifying more tokens costs nothing: speculation always pays for greedy rows
+    costs = BatchCosts({4: flat}, {4: [1.0] * 9})
+    auto = AutoK({}, 8)
+    assert costs.best_k(4, auto, 8) > 0
+    assert costs.best_k(4, auto, 8, greedy=0) == 0  # only sampled rows: drafting is pure cost
+    assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
+    assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1

@@ -2,7 +2,9 @@
 
 Concurrency c means c requests decode together (`EngineConfig(max_batch=c)`) and
 every prompt is queued at once, so a new request joins as soon as one finishes
-(a closed loop of c clients). For each repetition and each c, the plain engine
+(c clients that each send their next request when the last one is answered; TTFT
+and end-to-end latency therefore include the time spent queued, reported apart
+as queue time). For each repetition and each c, the plain engine
 and the speculative engine each serve the whole prompt set in turn (interleaved);
 throughput = generated tokens / wall time over all requests, medians over
 repetitions. Latencies are per request: time to first token, inter-token latency
@@ -25,6 +27,10 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
 def _serve_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     reqs = [engine.submit(p, max_new_tokens) for p in prompts]
@@ -37,6 +43,7 @@ def _serve_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
     return {"tokens": sum(len(r.token_ids) for r in reqs), "seconds": wall,
             "outputs": [r.token_ids for r in reqs],
             "ttft_s": [m["ttft_s"] for m in ms], "itl_s": [m["itl_s"] for m in ms],
+            "queue_s": [m["queue_s"] for m in ms],
             "e2e_s": [m["e2e_s"] for m in ms]}
 
 
@@ -56,6 +63,8 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
         _serve_all(engine, prompts[:2], min(8, max_new_tokens))
     runs: dict[tuple[int, bool], list[dict[str, Any]]] = {key: [] for key in engines}
     before = {key: e.metrics() for key, e in engines.items()}
+    for e in engines.values():  # count the measured rounds only
+        e.k_history.clear()
     for rep in range(repeats):
         for c in concurrencies:
             for on in (False, True):
@@ -76,8 +85,9 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
             accepted = m["spec_decode_num_accepted_tokens"] - m0["spec_decode_num_accepted_tokens"]
             row[name] = {
                 "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
-                "ttft_ms_median": 1e3 * _median([x for r in rs for x in r["ttft_s"]]),
-                "itl_ms_median": 1e3 * (_median([x for r in rs for x in r["itl_s"]]) or 0.0),
+                "ttft_ms_median": _ms(_median([x for r in rs for x in r["ttft_s"]])),
+                "itl_ms_median": _ms(_median([x for r in rs for x in r["itl_s"]])),
+                "queue_ms_median": _ms(_median([x for r in rs for x in r["queue_s"]])),
                 "e2e_s_median": _median([x for r in rs for x in r["e2e_s"]]),
                 "outputs_identical": all(r["outputs"] == want for r in rs),
                 "speculation": engine.speculate,
@@ -113,21 +123,27 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
     }
 
 
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def markdown_concurrency(report: dict[str, Any]) -> str:
     """The serving table: one line per concurrency and mode."""
     s = report["settings"]
     lines = [f"Serving benchmark: {s['prompts']} prompts x {s['max_new_tokens']} new tokens, "
              f"{s['repeats']} interleaved repetitions (medians), K = {s['num_draft_tokens']}", "",
-             "| concurrency | speculation | tok/s | speedup | TTFT ms | ITL ms | e2e s | tau | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| concurrency | speculation | tok/s | speedup | queue ms | TTFT ms | ITL ms | e2e s | tau "
+             "| identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["concurrency"]:
         for name in ("plain", "eagle"):
             r = row[name]
             sp = f"{row['speedup']:.2f}x" if name == "eagle" else "1.00x"
             tau = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
             lines.append(f"| {row['concurrency']} | {'on' if name == 'eagle' else 'off'} | "
-                         f"{r['tokens_per_s']:.1f} | {sp} | {r['ttft_ms_median']:.1f} | "
-                         f"{r['itl_ms_median']:.2f} | {r['e2e_s_median']:.2f} | {tau} | "
+                         f"{r['tokens_per_s']:.1f} | {sp} | {_f(r['queue_ms_median'], '.1f')} | "
+                         f"{_f(r['ttft_ms_median'], '.1f')} | {_f(r['itl_ms_median'], '.2f')} | "
+                         f"{r['e2e_s_median']:.2f} | {tau} | "
                          f"{'yes' if r['outputs_identical'] else 'NO'} |")
     lines.append("")
     for row in report["concurrency"]:

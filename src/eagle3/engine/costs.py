@@ -44,7 +44,7 @@ def fit_line(ms: list[float]) -> list[float]:
         return list(ms)
     slopes = [(ms[j] - ms[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
     b = max(0.0, statistics.median(slopes))
-    a = statistics.median(m - b * t for t, m in enumerate(ms))
+    a = max(statistics.median(m - b * t for t, m in enumerate(ms)), min(ms))  # never <= 0
     return [a + b * t for t in range(n)]
 
 
@@ -68,12 +68,12 @@ class BatchCosts:
         for B in batch_sizes:
             rids = [f"probe-{b}" for b in range(B)]
             need = context + kmax + 2
-            if not pool.can_admit(need * B):
+            if B * pool.pages_for(need) > pool.num_pages - pool.reserved:
                 continue
-            for rid in rids:
-                pool.admit(rid, need)
-                pool.grow(rid, need)
             try:
+                for rid in rids:
+                    pool.admit(rid, need)
+                    pool.grow(rid, need)
                 tv: dict[int, list[float]] = {T: [] for T in T_all}
                 tc: dict[int, list[float]] = {T: [] for T in T_all}
                 for rep in range(repeats + 1):  # the first pass warms up
@@ -113,11 +113,16 @@ class BatchCosts:
         return (self._at(self.verify, B, k + 1) + self._at(self.catch_up, B, k + 1)
                 + (k - 1) * self._at(self.catch_up, B, 1))
 
-    def best_k(self, B: int, auto: AutoK, kmax: int) -> int:
-        """The k in 0..kmax with the most tokens per millisecond at batch size B (ties: smaller k)."""
-        best, best_rate = 0, 1.0 / self.round_ms(B, 0)
+    def best_k(self, B: int, auto: AutoK, kmax: int, greedy: int | None = None) -> int:
+        """The k in 0..kmax with the most tokens per millisecond at batch size B (ties: smaller k).
+
+        `greedy` rows of the B speculate (tau(k) tokens per round); the rest (sampled rows)
+        yield one token per round whatever k is.
+        """
+        greedy = B if greedy is None else greedy
+        best, best_rate = 0, B / self.round_ms(B, 0)
         for k in range(1, min(kmax, len(next(iter(self.verify.values()))) - 1) + 1):
-            rate = auto.tau(k) / self.round_ms(B, k)
+            rate = (greedy * auto.tau(k) + B - greedy) / self.round_ms(B, k)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best

@@ -67,6 +67,9 @@ class Engine:
         for name in ("max_batch", "max_queue", "page_size"):
             if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
                 raise Eagle3Error(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+        t = cfg.request_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise Eagle3Error(f"request_timeout_s must be a positive number of seconds or None, got {t!r}")
         k = cfg.num_draft_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16):
             raise Eagle3Error(f"num_draft_tokens must be an integer in 0..16 or None (auto), got {k!r}")
@@ -189,6 +192,8 @@ class Engine:
                               f"{self.pool.total_tokens}; lower max_tokens or raise the KV pool "
                               "(--max-kv-tokens)", 413)
         with self.lock:
+            if self.stopping:  # checked again under the lock: stop() may have run meanwhile
+                raise EngineError("the engine is shutting down", 503)
             if len(self.waiting) >= self.config.max_queue:
                 raise EngineError(f"too many requests waiting ({len(self.waiting)}); retry later", 429)
             r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, params, stop, on_event,
@@ -250,6 +255,9 @@ class Engine:
         now = time.perf_counter()
         for row in rows:
             r = row.req
+            if row.error is not None:  # this request's own handling failed: it alone fails
+                self._finish(r, RequestState.FAILED, "error", error=row.error)
+                continue
             if row.drafted:
                 self.auto.record(row.drafted, row.accepted)
             if row.new:
@@ -268,7 +276,7 @@ class Engine:
         if self.config.num_draft_tokens is not None:
             k = self.config.num_draft_tokens
         else:
-            k = self.costs.best_k(len(batch), self.auto, self.kmax)
+            k = self.costs.best_k(len(batch), self.auto, self.kmax, greedy=len(greedy))
         return max(0, min(k, room))
 
     def _admit(self) -> None:
@@ -310,9 +318,10 @@ class Engine:
             first = int(logits[0, -1].argmax())
         r.token_ids.append(first)
         r.target_len = n
-        if self.runner.draft is not None and first not in r.stop_ids and r.max_tokens > 1:
+        drafts = self.runner.draft is not None and r.sampler is None  # sampled requests never draft
+        if drafts and first not in r.stop_ids and r.max_tokens > 1:
             r.pending_ids, r.pending_feats = [*r.prompt_ids[1:], first], [taps[0]]
-            self.runner.catch_up([r])
+            self.runner.catch_up_rows([r])
         return first
 
     def _emit(self, r: Request, new: list[int]) -> None:
@@ -358,6 +367,8 @@ class Engine:
                    RequestState.FAILED: "requests_failed"}[state]
             self.outcomes[key] += 1
             m = r.metrics
+            if r.admitted_at is None:  # never prefilled
+                m["prompt_tokens"] = 0
             for c in COUNTERS:
                 self.totals[c] += m[c]
             for i, n in enumerate(r.accepted_per_pos):
@@ -409,6 +420,9 @@ def check_engine_target(spec: Any) -> None:
     if not isinstance(spec.target, NativeTarget):
         raise Eagle3Error("the engine needs a native target (backend 'native' or 'auto'); the transformers "
                           "adapter has no batched paged cache")
+    if spec.target.embedding_weight.device.type != "cpu":
+        raise Eagle3Error("the engine runs on the CPU for now (its index tensors live there); load the "
+                          "target on the CPU")
     cfg = spec.target.config
     if any(w is not None for w in cfg.layer_windows):
         raise Eagle3Error(f"the engine does not support sliding-window attention yet ({cfg.architecture}); "

@@ -10,7 +10,9 @@ and masks by position, so requests of any lengths share one forward:
 
 Rows are ragged at their ends only (padding after the valid tokens), so the
 causal mask alone keeps padding out of every valid query; padded tokens write
-to the trash slot, which no valid query reads.
+to the trash slot. A shorter row's read table is filled up with the trash slot
+too: those keys are gathered and masked out (the trash holds finite values, so
+masked keys contribute exactly zero).
 
 Budget: `PagePool.admit` reserves a request's worst case (prompt + max_tokens +
 the largest draft + 1 positions) before it runs, so a running request never
@@ -65,8 +67,10 @@ class PagePool:
         need = self.pages_for(n_positions) - len(pages)
         if need <= 0:
             return
-        if len(pages) + need > self.promised[rid] or need > len(self.free):
+        if len(pages) + need > self.promised[rid]:
             raise Eagle3Error(f"request {rid} outgrew its KV reservation ({self.promised[rid]} pages)")
+        if need > len(self.free):  # cannot happen while reservations are honoured
+            raise Eagle3Error(f"the KV pool has {len(self.free)} free pages; request {rid} needs {need}")
         new = [self.free.pop() for _ in range(need)]
         pages.extend(new)
         self.version += 1
@@ -140,8 +144,9 @@ def batch_layout(table: torch.Tensor, trash: int, starts: list[int], counts: lis
 
     `table` is `read_table` of the rows. Returns write_slots (B, T), read_slots (B, S),
     rope positions (B, T) and the attention mask (B, 1, T, S). A token is valid when
-    t < counts[b] and its position is allocated (so < max_len); invalid ones write to the
-    trash slot and take position 0.
+    t < counts[b] and its position < S (the longest allocation, < max_len); invalid ones
+    write to the trash slot and take position 0. Callers write valid tokens only at
+    positions their row has pages for (`PagePool.grow` first).
     """
     S = min(max(starts) + T, max_len, table.shape[1])  # rows only ever write allocated positions
     read = table[:, :S]

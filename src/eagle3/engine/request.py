@@ -31,7 +31,7 @@ class RequestState(enum.Enum):
 DONE = (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
 
 
-@dataclass
+@dataclass(eq=False)  # matched by identity
 class Request:
     """One generation request. The engine thread owns every field but `abort_reason`."""
 
@@ -71,10 +71,6 @@ class Request:
     @property
     def anchor(self) -> int:
         return self.token_ids[-1]
-
-    def token_at(self, pos: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < n else self.token_ids[pos - n]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the request is finished, aborted or failed; False on timeout."""

@@ -73,11 +73,21 @@ class BatchRunner:
                                key_slots=slots_upto(read.shape[1]))
         return self.draft.to_target_ids(logits.argmax(-1)), h
 
-    def catch_up(self, reqs: list[Request]) -> None:
-        """Feed each request's pending tokens + fused taps to the draft; sets first_draft / boundary."""
+    def catch_up(self, reqs: list[Request], k: int) -> None:
+        """Feed each request's pending tokens + fused taps to the draft; sets first_draft / boundary.
+
+        Rows whose backlog exceeds a round's k+1 tokens (after plain rounds) catch up on their
+        own, so the batch is not padded to the longest backlog.
+        """
         rows = [r for r in reqs if r.pending_ids]
-        if not rows:
-            return
+        for r in [r for r in rows if len(r.pending_ids) > k + 1]:
+            self.catch_up_rows([r])
+        rows = [r for r in rows if r.pending_ids]
+        if rows:
+            self.catch_up_rows(rows)
+
+    def catch_up_rows(self, rows: list[Request]) -> None:
+        """One batched draft forward over these rows' whole backlogs (padded to the longest)."""
         counts = [len(r.pending_ids) for r in rows]
         T = max(counts)
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
@@ -123,20 +133,26 @@ class VerifyResult:
 
 
 def draft(runner: BatchRunner, plan: DraftPlan) -> DraftResult:
-    """Each row's d1 (from its catch-up) and k-1 batched draft steps after it."""
+    """Each greedy row's d1 (from its catch-up) and k-1 batched draft steps after it.
+
+    Sampled rows do not draft (they decode plainly): their k "drafts" repeat the anchor.
+    """
     reqs, k = plan.reqs, plan.k
-    B = len(reqs)
-    if k == 0:
-        return DraftResult(torch.zeros(B, 0, dtype=torch.long))
-    runner.catch_up(reqs)
-    drafts = [torch.tensor([r.first_draft for r in reqs])]  # (B,)
-    feature = torch.stack([r.boundary for r in reqs])[:, None]  # (B, 1, H)
-    rids = [r.id for r in reqs]
+    out = torch.tensor([[r.anchor] * k for r in reqs], dtype=torch.long).view(len(reqs), k)  # (B, k)
+    rows = [b for b, r in enumerate(reqs) if r.sampler is None]
+    if k == 0 or not rows:
+        return DraftResult(out)
+    drafting = [reqs[b] for b in rows]
+    runner.catch_up(drafting, k)
+    drafts = [torch.tensor([r.first_draft for r in drafting])]  # (G,)
+    feature = torch.stack([r.boundary for r in drafting])[:, None]  # (G, 1, H)
+    rids = [r.id for r in drafting]
     for i in range(k - 1):  # speculative draft slots after each row's committed ones
-        ids, feature = runner.draft_forward(rids, [r.draft_len + i for r in reqs], drafts[-1][:, None],
+        ids, feature = runner.draft_forward(rids, [r.draft_len + i for r in drafting], drafts[-1][:, None],
                                             feature, None)
         drafts.append(ids[:, 0])
-    return DraftResult(torch.stack(drafts, dim=1))
+    out[rows] = torch.stack(drafts, dim=1)
+    return DraftResult(out)
 
 
 def plan_verify(plan: DraftPlan, result: DraftResult) -> VerifyPlan:
@@ -157,51 +173,59 @@ def verify(runner: BatchRunner, plan: DraftPlan, vplan: VerifyPlan) -> VerifyRes
 
 @dataclass
 class Committed:
-    """One row's outcome: the tokens it emitted, whether it is done, its drafts counted and accepted."""
+    """One row's outcome: the tokens it emitted, whether it is done, its drafts counted and accepted,
+    or the error that failed this row alone (its state is then left as it was)."""
     req: Request
     new: list[int]
     done: bool
-    drafted: int
-    accepted: int
+    drafted: int = 0
+    accepted: int = 0
+    error: str | None = None
 
 
 def commit(runner: BatchRunner, plan: DraftPlan, drafts: DraftResult,
            result: VerifyResult) -> list[Committed]:
-    """Accept, emit and advance every row."""
-    k = plan.k
+    """Accept, emit and advance every row (a row whose own handling raises fails alone)."""
     greedy_ids = result.logits.argmax(-1)  # (B, k+1)
     host = torch.cat([greedy_ids, drafts.drafts], dim=1).tolist()  # one host sync for the batch
     out = []
     for b, r in enumerate(plan.reqs):
-        v, d = host[b][:k + 1], host[b][k + 1:]
-        room = r.max_tokens - len(r.token_ids)
-        k_used = a_used = 0
-        if r.sampler is None:
-            a = 0
-            while a < k and d[a] == v[a]:
-                a += 1
-            tokens = d[:a] + [v[a]]
-            k_used = min(k, room - 1)
-            if k_used > 0:
-                a_used = min(a, k_used)
-                r.num_drafts += 1
-                r.num_draft_tokens += k_used
-                r.num_accepted += a_used
-                r.accept_len_hist[a_used] += 1
-                for i in range(a_used):
-                    r.accepted_per_pos[i] += 1
-        else:  # sampled rows decode plainly: one token from the target's distribution
-            a = 0
-            tokens = [int(r.sampler.sample(r.sampler.probs(result.logits[b, 0])))]
-        new: list[int] = []
-        done = emit(new, tokens, r.stop_ids, room)
-        r.token_ids.extend(new)
-        r.target_len += a + 1  # anchor + accepted drafts now have K/V
-        if result.taps is not None and not done:
-            r.pending_ids.extend(tokens)
-            r.pending_feats.append(result.taps[b, :a + 1])
-        out.append(Committed(r, new, done or len(r.token_ids) >= r.max_tokens, max(k_used, 0), a_used))
+        try:
+            out.append(_commit_row(plan.k, b, r, host[b], result))
+        except Exception as e:
+            out.append(Committed(r, [], True, error=f"{type(e).__name__}: {e}"))
     return out
+
+
+def _commit_row(k: int, b: int, r: Request, host_row: list[int], result: VerifyResult) -> Committed:
+    v, d = host_row[:k + 1], host_row[k + 1:]
+    room = r.max_tokens - len(r.token_ids)
+    k_used = a_used = 0
+    if r.sampler is None:
+        a = 0
+        while a < k and d[a] == v[a]:
+            a += 1
+        tokens = d[:a] + [v[a]]
+        k_used = min(k, room - 1)
+        if k_used > 0:
+            a_used = min(a, k_used)
+            r.num_drafts += 1
+            r.num_draft_tokens += k_used
+            r.num_accepted += a_used
+            r.accept_len_hist[a_used] += 1
+            for i in range(a_used):
+                r.accepted_per_pos[i] += 1
+    else:  # sampled rows decode plainly: one token from the target's distribution
+        a = 0
+        tokens = [int(r.sampler.sample(r.sampler.probs(result.logits[b, 0])))]
+    new: list[int] = []
+    done = emit(new, tokens, r.stop_ids, room)
+    r.token_ids.extend(new)
+    r.target_len += a + 1  # anchor + accepted drafts now have K/V
+    if result.taps is not None and r.sampler is None and not done:  # sampled rows never draft
+        r.pending_ids.extend(tokens)
+        r.pending_feats.append(result.taps[b, :a + 1])
+    return Committed(r, new, done or len(r.token_ids) >= r.max_tokens, k_used, a_used)
 
 
 def run_round(runner: BatchRunner, reqs: list[Request], k: int) -> list[Committed]:

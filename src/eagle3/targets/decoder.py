@@ -116,6 +116,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     """RoPE, write K/V to `cache` at `input_pos`, attend over slots [0, kv_len).
 
     q (B, T, nh, hd), k/v (B, T, nkv, hd), mask (T, kv_len) bool -> (B, T, nh*hd).
+    The engine's ragged batches pass per-row cos/sin (B, T, hd), a (B, 1, T, kv_len)
+    mask and (B, T) write slots, which its paged cache interprets.
     """
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
@@ -298,6 +300,8 @@ class NativeTarget(nn.Module):
         length can be marked dynamic, so one compiled graph serves every cache length.
         `key_pos` (kv_len,): the positions of the keys in those slots, for sliding windows
         (default: the slots themselves; a tree's node slots run ahead of their positions).
+        The engine (`engine/step.py`) calls this with per-row (B, T) write slots as
+        `input_pos`, (B, T) `rope_pos`, a (B, 1, T, S) `attn_mask` and its paged cache.
         """
         if key_slots is None:
             key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
