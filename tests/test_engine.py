@@ -333,24 +333,23 @@ def test_automatic_k_uses_the_measured_costs(bigram):
     assert engine.costs.best_k(1, engine.auto, engine.kmax) > 0
 
 
-# -- found in review ------------------------------------------------------------------------------------------
+# -- found in review ----------------------------------------------------------------------------------------
 
 def test_submissions_racing_stop_all_end(bigram):
     """Threads submitting while the engine stops: each submission is refused (503) or ends."""
     spec = spec_for(bigram, "full")
+    def client(engine, accepted, refused):
+        for i in range(40):
+            try:
+                accepted.append(engine.submit([1 + i % 50, 2], 20, stop_token_ids=[]))
+            except EngineError as e:
+                assert e.status == 503
+                refused.append(e)
+
     for trial in range(3):
         engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=2, max_queue=1000)).start()
         accepted, refused = [], []
-
-        def client():
-            for i in range(40):
-                try:
-                    accepted.append(engine.submit([1 + i % 50, 2], 20, stop_token_ids=[]))
-                except EngineError as e:
-                    assert e.status == 503
-                    refused.append(e)
-
-        threads = [threading.Thread(target=client) for _ in range(3)]
+        threads = [threading.Thread(target=client, args=(engine, accepted, refused)) for _ in range(3)]
         for t in threads:
             t.start()
         time.sleep(0.01 * trial)
