@@ -9,6 +9,8 @@ import sys
 from .errors import Eagle3Error
 
 DEFAULT_PROMPT = "def parse_args(argv):"
+DRAFT_HELP = ("EAGLE-3 head directory, or 'none' for plain decoding (default: the default head for "
+              "--target default, else none)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -27,11 +29,16 @@ def _num_draft_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
 
 
-def _add_target_args(p: argparse.ArgumentParser, backends: bool = False) -> None:
+def _add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: bool = False) -> None:
+    """--target, --backend, --program, --dtype, --max-seq-len. `backends`: bench's comma-separated
+    list; `engine`: the serving engine's eager native backends only (no --program)."""
     p.add_argument("--target", default="default",
                    help="target checkpoint directory (Hugging Face layout) or 'default' (the "
                         "embedded model; default)")
-    if backends:  # bench: a comma-separated list, run side by side
+    if engine:  # checked in the verb, so that a wrong value is one line, not argparse's usage dump
+        p.add_argument("--backend", default="auto", metavar="auto|native",
+                       help="the engine runs the eager native PyTorch target: auto (default) or native")
+    elif backends:  # bench: a comma-separated list, run side by side
         p.add_argument("--backend", default="auto", metavar="eager,executorch",
                        help="backends to measure side by side, comma-separated: eager (= auto: the "
                             "native PyTorch target when supported), native, hf (the transformers "
@@ -42,8 +49,9 @@ def _add_target_args(p: argparse.ArgumentParser, backends: bool = False) -> None
                        help="native PyTorch target, the transformers adapter, auto (native when "
                             "the architecture is supported), or executorch (an exported program: "
                             "--program DIR)")
-    p.add_argument("--program", default=None, metavar="DIR",
-                   help="with --backend executorch: the --out directory of `eagle3 export`")
+    if not engine:
+        p.add_argument("--program", default=None, metavar="DIR",
+                       help="with --backend executorch: the --out directory of `eagle3 export`")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
@@ -269,9 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3",
                    help="prompt as comma-separated token ids instead of text")
     _add_target_args(g)
-    g.add_argument("--draft", default=None,
-                   help="EAGLE-3 head directory, or 'none' for plain decoding (default: the default "
-                        "head for --target default, else none)")
+    g.add_argument("--draft", default=None, help=DRAFT_HELP)
     g.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
                    help="target layers feeding the head (default: the head config's ids, else "
                         "2,L//2,L-3); tap k = hidden state entering layer k")
@@ -401,18 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(continuous batching over a paged KV pool), each speculating with the head; "
                        "greedy outputs equal plain decoding's. Ctrl-C stops it. Needs pip install "
                        "'eagle3[serve]'.")
-    s.add_argument("--target", default="default",
-                   help="target checkpoint directory (Hugging Face layout) or 'default' (the "
-                        "embedded model; default)")
-    s.add_argument("--draft", default=None,
-                   help="EAGLE-3 head directory, or 'none' for plain decoding (default: the default "
-                        "head for --target default, else none)")
-    s.add_argument("--backend", default="auto", metavar="auto|native",
-                   help="the engine runs the eager native PyTorch target: auto (default) or native")
-    s.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
-    s.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                   help="context length in tokens, prompt + completion (default: "
-                        "min(max_position_embeddings, 4096))")
+    _add_target_args(s, engine=True)
+    s.add_argument("--draft", default=None, help=DRAFT_HELP)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 listens on every interface)")
     s.add_argument("--port", type=int, default=8000,

@@ -70,6 +70,14 @@ def check_request(prompt_ids: Any, max_new_tokens: Any, vocab_size: int, max_len
     return ids
 
 
+def check_stop_ids(stop_token_ids: Any, eos_token_ids: Any) -> frozenset[int]:
+    """The stop ids of a request: `stop_token_ids`, or the target's EOS ids when None."""
+    try:
+        return frozenset(int(t) for t in (eos_token_ids if stop_token_ids is None else stop_token_ids))
+    except (TypeError, ValueError):
+        raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
+
+
 def check_num_draft_tokens(k: Any) -> int | None:
     """An int K in 1..MAX_NUM_DRAFT_TOKENS, or None for automatic ('auto' or None)."""
     if k is None or k == "auto":
@@ -232,11 +240,7 @@ class Eagle3Speculator:
         if shape is not None and k is not None:
             raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
                               "None (the tree's depth and total_tokens size the draft)")
-        try:
-            stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
-                                                 else stop_token_ids))
-        except (TypeError, ValueError):
-            raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
+        stop = check_stop_ids(stop_token_ids, cfg.eos_token_ids)
         if self.draft is not None and (shape is not None or not params.greedy) and not hasattr(
                 self.target, "compact_cache"):
             raise Eagle3Error("tree drafting and speculative sampling need a native target (the "

@@ -29,6 +29,7 @@ import torch
 from ..decoding.autok import AUTO_MAX_K, AutoK
 from ..decoding.sampling import Sampler, check_sampling
 from ..errors import Eagle3Error, notice
+from ..speculator import check_stop_ids
 from .costs import BatchCosts, probe_batch_sizes
 from .kv import PagePool
 from .request import DONE, Request, RequestState
@@ -176,13 +177,9 @@ class Engine:
                               "lower max_tokens")
         try:
             params = check_sampling(temperature, top_p, top_k, seed)
+            stop = check_stop_ids(stop_token_ids, cfg.eos_token_ids)
         except Eagle3Error as e:
             raise EngineError(str(e)) from None
-        try:
-            stop = frozenset(int(t) for t in (cfg.eos_token_ids if stop_token_ids is None
-                                                 else stop_token_ids))
-        except (TypeError, ValueError):
-            raise EngineError("stop_token_ids must be a list of integer token ids") from None
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or timeout_s <= 0):
             raise EngineError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
