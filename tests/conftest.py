@@ -17,6 +17,13 @@ transformers = pytest.importorskip("transformers")
 # Tiny models: one thread per test worker avoids oversubscribing the 2 cores (pytest -n 2).
 torch.set_num_threads(1)
 
+# "default" means the toy code model (models/toy) in the tests, so that the many tests (and the
+# CLI subprocesses they start, which inherit the environment) that need some trained model with
+# a head stay fast; tests/test_default.py checks the real default (SmolLM2) explicitly.
+_TOY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "toy")
+os.environ.setdefault("EAGLE3_DEFAULT_DIR", os.path.join(_TOY, "target"))
+os.environ.setdefault("EAGLE3_DEFAULT_HEAD_DIR", os.path.join(_TOY, "head"))
+
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 

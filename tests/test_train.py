@@ -26,7 +26,7 @@ from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
 from eagle3.draft import attach_head
 from eagle3.targets import load_target
 from eagle3.tokenizer import load_tokenizer
-from eagle3.train.data import Sample, collate
+from eagle3.train.data import collate, load_regenerated
 from eagle3.train.trainer import TrainArgs, _target_forward, new_head, prepare, train_draft
 from eagle3.train.ttt import ttt_loss
 from eagle3.train.vocab import build_draft_vocab
@@ -201,8 +201,8 @@ def test_overfit_head_reaches_its_training_accuracy_at_inference(target_dir, dat
     spec = eagle3.load(target_dir, str(out / "head"))
     plain = eagle3.load(target_dir, "none")
     stop = set(spec.target.config.eos_token_ids)
-    blob = torch.load(out / "data" / "regenerated.pt", weights_only=True)
-    tokens, mask = collate([Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"])])
+    regenerated = load_regenerated(str(out / "data"))
+    tokens, mask = collate(regenerated)
     tlogits, taps = _target_forward(spec.target, tokens)
     with torch.no_grad():
         _, correct, counted, logits = ttt_loss(spec.draft, tokens, mask, taps, tlogits, steps=K,
@@ -213,7 +213,7 @@ def test_overfit_head_reaches_its_training_accuracy_at_inference(target_dir, dat
     predicted = dict(measured)
     per_pos, drafted, prefix_hits, rows = [0] * K, [0] * K, [0] * K, 0
     for b, prompt in enumerate(PROMPTS):
-        x = blob["tokens"][b].tolist()
+        x = regenerated[b].tokens.tolist()
         n = len(prompt)
         ok = lambda r, i, b=b, x=x: int(draft_ids[i, b, r]) == x[r + 2 + i]  # noqa: B023
         sim = simulate_chain(x, n, RESPONSE_LEN, K, ok, stop)
@@ -266,8 +266,8 @@ def test_build_draft_vocab_picks_the_most_frequent_masked_tokens():
 def test_trained_head_vocab_tables_are_consistent(target_dir, data_file, tmp_path):
     args = args_for(target_dir, data_file, tmp_path / "out", draft_vocab=150)
     train_draft(args)
-    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
-    used = set(torch.cat([t[m] for t, m in zip(blob["tokens"], blob["masks"])]).tolist())
+    samples = load_regenerated(str(tmp_path / "out" / "data"))
+    used = set(torch.cat([s.tokens[s.mask] for s in samples]).tolist())
     assert len(used) < 150  # so the vocab is padded
     spec = eagle3.load(target_dir, str(tmp_path / "out" / "head"))
     d2t, t2d = spec.draft.d2t, ckpt_head(args.out)["t2d"]
@@ -353,14 +353,13 @@ def test_regeneration_is_plain_greedy_and_the_mask_stops_after_eos(target_dir, t
     # prompt_len 4 < the prompts (5..10 tokens): it only cuts text files, jsonl prompts are kept whole.
     args = args_for(str(tdir), data, tmp_path / "out", regen_batch=2, prompt_len=4)
     train_draft(args)
-    cache = tmp_path / "out" / "data" / "regenerated.pt"
-    blob = torch.load(cache, weights_only=True)
+    cache = tmp_path / "out" / "data" / "regen-00000.pt"
     seen_eos = 0
-    for p, r, tokens, mask in zip(PROMPTS, responses, blob["tokens"], blob["masks"]):
-        assert tokens.tolist() == p + r
-        keep = r.index(eos) + 1 if eos in r else len(r)
+    for p, r, s in zip(PROMPTS, responses, load_regenerated(str(cache.parent)), strict=True):
+        keep = r.index(eos) + 1 if eos in r else len(r)  # the response ends at its first EOS
+        assert s.tokens.tolist() == p + r[:keep]
         seen_eos += eos in r
-        assert mask.tolist() == [False] * len(p) + [True] * keep + [False] * (len(r) - keep)
+        assert s.mask.tolist() == [False] * len(p) + [True] * keep
     assert seen_eos >= 1
     # A rerun with the same inputs reuses the cache; other inputs regenerate.
     mtime = cache.stat().st_mtime_ns
@@ -369,7 +368,8 @@ def test_regeneration_is_plain_greedy_and_the_mask_stops_after_eos(target_dir, t
     assert "reusing regenerated data" in capsys.readouterr().err and cache.stat().st_mtime_ns == mtime
     train_draft(args_for(str(tdir), data, tmp_path / "out", response_len=RESPONSE_LEN - 4))
     assert "reusing" not in capsys.readouterr().err
-    assert torch.load(cache, weights_only=True)["tokens"][0].numel() == len(PROMPTS[0]) + RESPONSE_LEN - 4
+    first = load_regenerated(str(cache.parent))[0]
+    assert first.tokens.numel() <= len(PROMPTS[0]) + RESPONSE_LEN - 4
 
 
 @pytest.fixture(scope="module")
@@ -393,9 +393,9 @@ def test_text_directory_is_cut_into_prompts(text_target, tmp_path):
                     prompts_per_file=3, response_len=8, batch=2)
     report = train_draft(args)
     assert report["samples"] == 6  # 3 each from a.txt and sub/b.py; short.md too short, .bin ignored
-    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
     sources = [tok.encode(texts["a.txt"]), tok.encode(texts["sub/b.py"])]
-    for tokens, mask in zip(blob["tokens"], blob["masks"]):
+    for s in load_regenerated(str(tmp_path / "out" / "data")):
+        tokens, mask = s.tokens, s.mask
         prompt, response = tokens[:12].tolist(), tokens[12:].tolist()
         assert any(prompt == s[i:i + 12] for s in sources for i in range(len(s) - 11))
         assert response == greedy(text_target, prompt, 8)
@@ -427,9 +427,9 @@ def test_chat_messages_use_the_chat_template(text_target, tmp_path):
                                                  {"prompt": "import os"}])
     args = args_for(str(tdir), data, tmp_path / "out", draft_vocab=64, response_len=8, batch=3)
     train_draft(args)
-    blob = torch.load(tmp_path / "out" / "data" / "regenerated.pt", weights_only=True)
     prompts = [expected, expected, tok.encode("import os")]
-    for tokens, mask, prompt in zip(blob["tokens"], blob["masks"], prompts):
+    for s, prompt in zip(load_regenerated(str(tmp_path / "out" / "data")), prompts, strict=True):
+        tokens, mask = s.tokens, s.mask
         assert tokens[:len(prompt)].tolist() == prompt
         assert tokens[len(prompt):].tolist() == greedy(str(tdir), prompt, 8)
         assert mask.tolist() == [False] * len(prompt) + [True] * 8  # only the generated reply

@@ -33,8 +33,10 @@ def _add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine:
     """--target, --backend, --program, --dtype, --max-seq-len. `backends`: bench's comma-separated
     list; `engine`: the serving engine's eager native backends only (no --program)."""
     p.add_argument("--target", default="default",
-                   help="target checkpoint directory (Hugging Face layout) or 'default' (the "
-                        "embedded model; default)")
+                   help="target: a checkpoint directory (Hugging Face layout), a .gguf file (or a "
+                        "directory holding one), a model name (eagle3 models: smollm2-135m-instruct, "
+                        "gemma-3-270m), or 'default' (SmolLM2-135M-Instruct with the head trained "
+                        "here; default)")
     if engine:  # checked in the verb, so that a wrong value is one line, not argparse's usage dump
         p.add_argument("--backend", default="auto", metavar="auto|native",
                        help="the engine runs the eager native PyTorch target: auto (default) or native")
@@ -64,9 +66,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile,
                        program=args.program)
     tok = spec.tokenizer
-    if args.prompt_ids is not None:
-        if args.prompt is not None:
-            raise Eagle3Error("give either a PROMPT or --prompt-ids, not both")
+    if sum(x is not None for x in (args.prompt, args.prompt_ids, args.chat)) > 1:
+        raise Eagle3Error("give one of PROMPT, --prompt-ids and --chat")
+    if args.system is not None and args.chat is None:
+        raise Eagle3Error("--system applies to --chat; add --chat MESSAGE")
+    if args.chat is not None:
+        if tok is None or not tok.has_chat_template():
+            raise Eagle3Error(f"target {args.target} has no chat template, so --chat cannot format a "
+                              "message; pass the text as PROMPT (plain completion)")
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.chat}]
+        ids = tok.apply_chat_template(messages, "--chat")
+    elif args.prompt_ids is not None:
         ids = args.prompt_ids
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
@@ -163,7 +174,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         response_len=args.response_len, prompts_per_file=args.prompts_per_file,
         regen_batch=args.regen_batch, temperature=args.temperature, features=args.features,
         taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
-        stop_after=args.stop_after))
+        stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
+        max_prompt_len=args.max_prompt_len, autocast=args.autocast))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
         print(f"eagle3: trained {report['steps']} steps; final loss {report['final_loss']:.3f}; "
@@ -250,6 +262,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    import eagle3
+
+    from .chat import ChatSession, run_chat
+
+    if args.max_new_tokens < 1:
+        raise Eagle3Error("--max-new-tokens must be >= 1")
+    spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       max_seq_len=args.max_seq_len)
+    session = ChatSession(spec, system=args.system, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed)
+    try:
+        return run_chat(session)
+    finally:
+        session.close()
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .targets.named import describe_models
+
+    rows = describe_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        state = "installed" if r["installed"] else f"not installed ({r['install']})"
+        print(f"{r['name']:<24} {state}")
+        print(f"{'':<24} weights: {r['source']}; licence: {r['license']}; "
+              f"chat template: {'yes' if r['chat'] else 'no (base model)'}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_path
 
@@ -281,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
                    help="target layers feeding the head (default: the head config's ids, else "
                         "2,L//2,L-3); tap k = hidden state entering layer k")
+    g.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="one chat turn: MESSAGE as the user's, formatted with the model's chat template")
+    g.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None, metavar="K|auto",
                    help="draft tokens per round (chain drafting); auto (default) picks K from the "
@@ -316,11 +363,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "medians) and report the speedup and whether the outputs are identical")
     g.set_defaults(func=cmd_generate)
 
-    i = sub.add_parser("inspect", help="describe a target checkpoint or an EAGLE-3 head",
-                       description="Describe a checkpoint directory. Targets: architecture, sizes, "
-                       "default taps, maximum length. EAGLE-3 heads: format, sizes, vocabulary, "
-                       "taps, whether an embedding ships.")
-    i.add_argument("path", help="target checkpoint or EAGLE-3 head directory")
+    ch = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, speculating)",
+                        description="An interactive multi-turn chat with the model's chat template; "
+                        "tokens stream as they are accepted. /reset forgets the conversation, /exit "
+                        "quits, Ctrl-C stops the current answer. A stats line (tokens/s, tau) follows "
+                        "each answer. Targets without a chat template are refused (use generate). "
+                        "Runs on the engine, which does not yet support sliding-window targets.")
+    _add_target_args(ch, engine=True)
+    ch.add_argument("--draft", default=None, help=DRAFT_HELP)
+    ch.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the chat")
+    ch.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ch.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    ch.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="list the models eagle3 knows by name",
+                       description="The registered model names (--target NAME), where their weights "
+                       "come from (pip packages that carry GGUF files; nothing is downloaded at run "
+                       "time), their licences and whether they are installed here.")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(func=cmd_models)
+
+    i = sub.add_parser("inspect", help="describe a target (directory, .gguf, model name) or a head",
+                       description="Describe a target or head. Targets (checkpoint directory, .gguf "
+                       "file or model name): architecture, sizes, default taps, maximum length; GGUF "
+                       "files also their quantization types and tokenizer. EAGLE-3 heads: format, "
+                       "sizes, vocabulary, taps, whether an embedding ships.")
+    i.add_argument("path", help="target checkpoint directory, .gguf file, model name, or EAGLE-3 head "
+                                "directory")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_inspect)
 
@@ -340,10 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "trained with training-time test (unrolled draft steps, loss 0.8^i). Saves "
                        "OUT/head (official), OUT/head-speculators, OUT/report.json and report.png. "
                        "Data-parallel under torchrun --nproc_per_node N -m eagle3 train-draft ...")
-    t.add_argument("--target", required=True, help="target checkpoint directory (frozen)")
+    t.add_argument("--target", required=True,
+                   help="the frozen target: checkpoint directory, .gguf file or model name "
+                        "(eagle3 models)")
     t.add_argument("--data", required=True,
-                   help=".jsonl with prompt / prompt_ids / messages per line, or a text file or "
-                        "directory of text files to cut prompts from")
+                   help="sharegpt or sharegpt:N (ShareGPT's training split, N conversations, "
+                        "chat-templated), a .jsonl with prompt / prompt_ids / messages per line, or a "
+                        "text file or directory of text files to cut prompts from")
     t.add_argument("--out", required=True, help="output directory (data cache, checkpoints, head)")
     t.add_argument("--draft-vocab", type=int, default=2048,
                    help="draft vocabulary size: the most frequent response tokens (default 2048)")
@@ -370,6 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--features", choices=("online", "offline"), default="online",
                    help="capture target taps per step (online) or once into memory-mapped files")
     t.add_argument("--taps", type=_int_list, default=None, help="target taps (default 2,L//2,L-3)")
+    t.add_argument("--max-prompt-len", type=int, default=384,
+                   help="--data sharegpt: skip prompts longer than this many tokens (default 384)")
+    t.add_argument("--dtype", default=None,
+                   help="the frozen target's dtype for regeneration and features: float32 (default) "
+                        "or bfloat16 (faster; the data need not be bit-exact)")
+    t.add_argument("--autocast", action="store_true",
+                   help="train the head under bf16 autocast (fp32 master weights): several times "
+                        "faster on CPUs with AMX / AVX-512 BF16, slower elsewhere")
+    t.add_argument("--max-seq-len", type=int, default=None,
+                   help="the target's context while training (default: its own, at most 4096)")
     t.add_argument("--threads", type=int, default=None, help="torch threads per process")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_draft)

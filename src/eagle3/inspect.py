@@ -1,4 +1,4 @@
-"""`eagle3 inspect`: describe a target checkpoint directory."""
+"""`eagle3 inspect`: describe a target (checkpoint directory, GGUF file, model name) or a head."""
 
 from __future__ import annotations
 
@@ -68,10 +68,58 @@ def inspect_head(path: str, raw: dict) -> dict[str, Any]:
             "norm_before_fc": cfg.norm_before_fc, "parameters": n_params}
 
 
-def inspect_path(path: str) -> dict[str, Any]:
-    """A flat description of the target or head at `path`."""
-    from .draft.formats import detect_format
+def _native_info(info: dict, raw: dict, where: str) -> int:
+    """Add the native decoder's sizes to `info`; return the layer count."""
+    cfg = parse_decoder_config(raw, where=where)
+    info.update(backend="native", layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                vocab_size=cfg.vocab_size, tied_embeddings=cfg.tie_word_embeddings,
+                max_position_embeddings=cfg.max_position_embeddings,
+                max_seq_len=cfg.max_seq_len,
+                sliding_window=next((w for w in cfg.layer_windows if w), None))
+    return cfg.num_hidden_layers
 
+
+def _taps_info(L: int) -> list[int] | str:
+    try:
+        return list(default_taps(L))
+    except Eagle3Error:
+        return f"none (L={L} too small; choose taps explicitly)"
+
+
+def inspect_gguf(path: str) -> dict[str, Any]:
+    """Describe a GGUF target (metadata only: no tensor is dequantized)."""
+    from collections import Counter
+
+    from .targets.gguf import read_gguf
+
+    ckpt = read_gguf(path)
+    meta = ckpt.metadata
+    info: dict[str, Any] = {"path": path, "kind": "target", "format": "gguf",
+                            "name": meta.get("general.name"), "architecture": ckpt.arch,
+                            "model_type": ckpt.config["model_type"], "license": meta.get("general.license")}
+    L = _native_info(info, ckpt.config, path)
+    info["default_taps"] = _taps_info(L)
+    info["quant_types"] = dict(Counter(t.tensor_type.name for t in ckpt.reader.tensors))
+    info["weight_bytes"] = os.path.getsize(path)
+    info["tokenizer"] = meta.get("tokenizer.ggml.model") or False
+    info["chat_template"] = "tokenizer.chat_template" in meta
+    info["bos_token_id"], info["eos_token_id"] = ckpt.config["bos_token_id"], ckpt.config["eos_token_id"]
+    return info
+
+
+def inspect_path(path: str) -> dict[str, Any]:
+    """A flat description of the target or head at `path` (a directory, a .gguf file or a
+    registered model name)."""
+    from .draft.formats import detect_format
+    from .targets.gguf import find_gguf
+    from .targets.named import resolve_target
+
+    path = resolve_target(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return inspect_gguf(gguf_file)
     raw = read_config_json(path)
     try:
         is_head = detect_format(raw) != "official" or _has_fc(path)
@@ -83,15 +131,7 @@ def inspect_path(path: str) -> dict[str, Any]:
                             "architecture": (raw.get("architectures") or ["?"])[0],
                             "model_type": raw.get("model_type")}
     if raw.get("model_type") in NATIVE_FAMILIES:
-        cfg = parse_decoder_config(raw, where=os.path.join(path, "config.json"))
-        info.update(backend="native", layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                    intermediate_size=cfg.intermediate_size, heads=cfg.num_attention_heads,
-                    kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                    vocab_size=cfg.vocab_size, tied_embeddings=cfg.tie_word_embeddings,
-                    max_position_embeddings=cfg.max_position_embeddings,
-                    max_seq_len=cfg.max_seq_len,
-                    sliding_window=next((w for w in cfg.layer_windows if w), None))
-        L = cfg.num_hidden_layers
+        L = _native_info(info, raw, os.path.join(path, "config.json"))
     else:
         try:
             L = int(_lookup(raw, "num_hidden_layers") or 0)
@@ -102,10 +142,7 @@ def inspect_path(path: str) -> dict[str, Any]:
                     hidden_size=_lookup(raw, "hidden_size"), vocab_size=_lookup(raw, "vocab_size"),
                     max_position_embeddings=max_pos,
                     max_seq_len=min(max_pos, 4096) if isinstance(max_pos, int) else 4096)
-    try:
-        info["default_taps"] = list(default_taps(L))
-    except Eagle3Error:
-        info["default_taps"] = f"none (L={L} too small; choose taps explicitly)"
+    info["default_taps"] = _taps_info(L)
     files = weight_files(path)
     info["weights"] = ", ".join(os.path.basename(f) for f in files)
     info["weight_bytes"] = sum(os.path.getsize(f) for f in files if os.path.isfile(f))

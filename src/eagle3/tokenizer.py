@@ -55,6 +55,14 @@ class Tokenizer:
                               "or tokenizer_config.json's chat_template); give prompts instead of messages")
         return template, cfg
 
+    def has_chat_template(self) -> bool:
+        """Whether `apply_chat_template` can render messages."""
+        try:
+            self._chat_template("chat")
+        except Eagle3Error:
+            return False
+        return True
+
     def apply_chat_template(self, messages: list[dict], where: str = "messages") -> list[int]:
         """Token ids of `messages` rendered with the chat template and a generation prompt.
 
@@ -88,7 +96,22 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
 
-def load_tokenizer(checkpoint_dir: str) -> Tokenizer | None:
-    """The tokenizer in `checkpoint_dir`, or None when it ships no `tokenizer.json`."""
-    path = os.path.join(checkpoint_dir, "tokenizer.json")
+def load_tokenizer(target: str) -> Tokenizer | None:
+    """The tokenizer of `target`: a checkpoint directory's `tokenizer.json`, a GGUF file's
+    vocabulary (a directory holding one, or a registered model name), 'default'; None when
+    there is none."""
+    from .targets.gguf import find_gguf, gguf_tokenizer_dir
+    from .targets.named import resolve_target
+
+    if target == "default":
+        from .default import default_target_dir
+
+        target = default_target_dir()
+    target = resolve_target(target)
+    gguf_file = find_gguf(target)
+    if gguf_file is not None:
+        target = gguf_tokenizer_dir(gguf_file)
+        if target is None:
+            return None
+    path = os.path.join(target, "tokenizer.json")
     return Tokenizer(path) if os.path.isfile(path) else None

@@ -50,10 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="EAGLE-3 head directory (default: the default head for --target default)")
     b.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
                    help="target layers feeding the head (default: the head config's ids)")
-    b.add_argument("--prompts", default=None, metavar="FILE",
-                   help=".jsonl (one object per line: prompt text or prompt_ids) or .txt (one prompt "
-                        "per line); default: models/default/prompts.jsonl for --target default when "
-                        "it exists, else a few built-in code prompts")
+    b.add_argument("--prompts", default=None, metavar="SET|FILE",
+                   help="sharegpt-heldout (held-out ShareGPT first turns, chat template applied), "
+                        "humaneval (HumanEval prompts as code completion), or a .jsonl (one object "
+                        "per line: prompt text, prompt_ids or chat messages) or .txt (one prompt per "
+                        "line); default: sharegpt-heldout for --target default, else a few built-in "
+                        "code prompts")
+    b.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="use the first N prompts (default: 24 of a named set, all of a file)")
     b.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (default 64)")
     b.add_argument("--num-draft-tokens", default="auto,1,2,3,4,5,6,7,8", metavar="auto,1,...,8",
                    help="the K values to measure, 'auto' for the automatic choice (default auto,1..8)")
@@ -168,8 +172,15 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
     return names
 
 
-def read_prompt_records(path: str) -> list[tuple[str, dict]]:
-    """(where, record) per prompt in a .jsonl (prompt / prompt_ids / messages) or text file."""
+def read_prompt_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    """(where, record) per prompt of a named set (`bench/prompts.py`) or a .jsonl (prompt /
+    prompt_ids / messages) or text file; the first `limit` only when given."""
+    from .prompts import DEFAULT_LIMIT, PROMPT_SETS, prompt_set
+
+    if limit is not None and limit < 1:
+        raise Eagle3Error(f"--limit must be >= 1, got {limit}")
+    if path in PROMPT_SETS:
+        return prompt_set(path, limit or DEFAULT_LIMIT)
     p = Path(path)
     if not p.is_file():
         raise Eagle3Error(f"--prompts {path} does not exist; pass a .jsonl (prompt or prompt_ids per "
@@ -189,15 +200,14 @@ def read_prompt_records(path: str) -> list[tuple[str, dict]]:
                               "prompt or prompt_ids") from None
     if not records:
         raise Eagle3Error(f"--prompts {path} holds no prompts; give one per line")
-    return records
+    return records[:limit] if limit else records
 
 
-def default_prompt_records(target: str) -> list[tuple[str, dict]]:
-    from ..default import REPO_MODELS
+def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    from ..default import default_prompts
 
-    shipped = REPO_MODELS / "prompts.jsonl"
-    if target == "default" and shipped.is_file():
-        return read_prompt_records(str(shipped))
+    if target == "default":
+        return read_prompt_records(default_prompts() or "sharegpt-heldout", limit)
     return [(f"built-in prompt {i + 1}", {"prompt": text}) for i, text in enumerate(BUILTIN_PROMPTS)]
 
 
@@ -238,8 +248,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .plots import check_matplotlib
 
         check_matplotlib()
-    records = (read_prompt_records(args.prompts) if args.prompts is not None
-               else default_prompt_records(args.target))
+    records = (read_prompt_records(args.prompts, args.limit) if args.prompts is not None
+               else default_prompt_records(args.target, args.limit))
     if args.concurrency is not None:
         return _cmd_concurrency(args, records, ks, auto)
 

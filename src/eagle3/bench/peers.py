@@ -24,14 +24,25 @@ def available() -> bool:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, what: str) -> Any:
-    """A transformers causal LM from checkpoint dir `path` (eval mode)."""
+    """A transformers causal LM from checkpoint dir `path`, a GGUF file (transformers' GGUF
+    loader dequantizes it) or a registered model name (eval mode)."""
+    import os
+
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from ..targets.gguf import find_gguf
+    from ..targets.named import resolve_target
+
     hf_logging.set_verbosity_error()  # keep the bench output readable
     hf_logging.disable_progress_bar()
+    path = resolve_target(path)
+    gguf_file = find_gguf(path)
+    kw = {}
+    if gguf_file is not None:
+        path, kw = os.path.dirname(os.path.abspath(gguf_file)), {"gguf_file": os.path.basename(gguf_file)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except Exception as e:  # transformers raises many unrelated types here
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise Eagle3Error(f"transformers could not load the {what} {path} ({reason}); pass a "

@@ -18,12 +18,14 @@ from ..errors import Eagle3Error, notice
 from .checkpoint import load_into, read_state_dict
 from .config import NATIVE_FAMILIES, DecoderConfig, parse_decoder_config, read_config_json
 from .decoder import NativeTarget
+from .gguf import find_gguf
 from .hf import HFTarget
+from .named import MODELS, resolve_target
 from .protocol import TapTarget, TargetConfig, default_taps, validate_taps
 
 __all__ = ["TARGETS", "TargetSpec", "TapTarget", "TargetConfig", "NativeTarget", "HFTarget",
            "DecoderConfig", "load_target", "load_native", "load_hf", "default_taps",
-           "validate_taps", "NATIVE_FAMILIES"]
+           "validate_taps", "NATIVE_FAMILIES", "MODELS", "resolve_target", "load_gguf"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -65,15 +67,33 @@ def load_native(path: str, *, dtype: torch.dtype | str | None = None,
     eos = _generation_eos(path)
     if eos is not None:
         cfg.eos_token_ids = eos
+    return _build_native(cfg, read_state_dict(path), path, dtype, taps)
+
+
+def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
+              max_seq_len: int | None = None, taps=None) -> NativeTarget:
+    """Load a GGUF file (llama.cpp's format; weights dequantized) into a `NativeTarget`."""
+    from .gguf import read_gguf, state_dict
+
+    ckpt = read_gguf(path)
+    cfg = parse_decoder_config(ckpt.config, where=path, max_seq_len=max_seq_len)
+    state, unused = state_dict(ckpt)
+    if unused:
+        notice(f"{path}: ignoring {len(unused)} GGUF tensor(s) with no native counterpart "
+               f"(e.g. {unused[0]})")
+    return _build_native(cfg, state, path, dtype, taps)
+
+
+def _build_native(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str, dtype,
+                  taps) -> NativeTarget:
     dt = resolve_dtype(dtype)
-    state = read_state_dict(path)
     with torch.device("meta"):
         model = NativeTarget(cfg)
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    extra = load_into(model, state, path, dtype=dt, optional=optional,
+    extra = load_into(model, state, where, dtype=dt, optional=optional,
                       ignore_suffixes=("rotary_emb.inv_freq", "lm_head.weight"))
     if extra:
-        notice(f"{path}: ignoring {len(extra)} tensor(s) the model does not use "
+        notice(f"{where}: ignoring {len(extra)} tensor(s) the model does not use "
                f"(e.g. {extra[0]})")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -140,7 +160,7 @@ BACKENDS = ("auto", "native", "hf")
 
 def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend: str = "auto",
                 max_seq_len: int | None = None, taps=None) -> TapTarget:
-    """Load `target` (a checkpoint dir or 'default') as a `TapTarget`.
+    """Load `target` (a checkpoint dir, a .gguf file, a registered model name or 'default').
 
     backend: 'auto' (native when the architecture is supported, else the
     transformers adapter), 'native', or 'hf'.
@@ -152,6 +172,13 @@ def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend:
     kw = dict(dtype=dtype, max_seq_len=max_seq_len, taps=taps)
     if target == "default":
         return _load_default(backend=backend, **kw)
+    target = resolve_target(target)
+    gguf_file = find_gguf(target)
+    if gguf_file is not None:
+        if backend == "hf":
+            raise Eagle3Error(f"{gguf_file} is a GGUF file, which loads natively only; drop "
+                              "backend='hf' (--backend hf)")
+        return load_gguf(gguf_file, **kw)
     if target in TARGETS and not os.path.isdir(target):
         raise Eagle3Error(f"'{target}' is a target family, not a checkpoint: pass the checkpoint "
                           "directory (the family is read from its config.json)")

@@ -4,11 +4,14 @@ Accepted inputs (`--data`):
 - a `.jsonl` file, one object per line with `prompt` (text), `prompt_ids`
   (token ids) or chat `messages` (built with the tokenizer's chat template and
   a generation prompt; a trailing assistant reply is dropped and regenerated);
+- `sharegpt` or `sharegpt:N`: the first user turns of N (default all) ShareGPT training-split
+  conversations (`train/sharegpt.py`; the held-out split is never used), chat-templated;
 - a text file or a directory of text files (`.txt`, `.py`, `.md`, ...): prompts
   are `prompt_len`-token prefixes cut from them at seeded random offsets.
-The target continues each prompt for `response_len` tokens (greedy by default);
-the loss mask covers the response up to and including the first EOS. The
-result is cached in `cache_path` keyed by the inputs, so a rerun skips it.
+The target answers each prompt with up to `response_len` tokens (greedy by default),
+batched through the engine; the loss mask covers the response up to and including
+its first EOS. The answers are cached in chunks keyed by the inputs, so a rerun
+(also after an interruption) continues where it stopped.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.batch import batched_greedy
 from ..errors import Eagle3Error, notice
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs")
@@ -45,8 +47,10 @@ def _text_files(path: Path) -> list[Path]:
 
 
 def read_prompts(data: str, tokenizer, *, prompt_len: int, prompts_per_file: int, seed: int,
-                 vocab_size: int) -> list[list[int]]:
+                 vocab_size: int, max_prompt_len: int = 384) -> list[list[int]]:
     """Token-id prompts from `data` (see the module docstring)."""
+    if data == "sharegpt" or data.startswith("sharegpt:"):
+        return sharegpt_train_prompts(data, tokenizer, seed=seed, max_prompt_len=max_prompt_len)
     path = Path(data)
     if not path.exists():
         raise Eagle3Error(f"--data {data} does not exist; pass a .jsonl of prompts, a text file or "
@@ -83,6 +87,32 @@ def read_prompts(data: str, tokenizer, *, prompt_len: int, prompts_per_file: int
     return prompts
 
 
+def sharegpt_train_prompts(data: str, tokenizer, *, seed: int, max_prompt_len: int) -> list[list[int]]:
+    """`sharegpt[:N]`: N (default all) training-split first turns, in a seeded random order,
+    rendered with the chat template; prompts over `max_prompt_len` tokens are skipped."""
+    from .sharegpt import sharegpt_prompts
+
+    limit = None
+    if ":" in data:
+        try:
+            limit = int(data.split(":", 1)[1])
+        except ValueError:
+            raise Eagle3Error(f"--data {data}: expected sharegpt or sharegpt:N (N conversations)") from None
+        if limit < 1:
+            raise Eagle3Error(f"--data {data}: N must be >= 1")
+    need_tok(tokenizer, data)
+    records = sharegpt_prompts("train")
+    random.Random(seed).shuffle(records)
+    prompts = []
+    for rec in records:
+        ids = tokenizer.apply_chat_template(rec["messages"], f"sharegpt {rec['id']}")
+        if len(ids) <= max_prompt_len:
+            prompts.append(ids)
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
 def need_tok(tokenizer, data: str) -> None:
     if tokenizer is None:
         raise Eagle3Error(f"{data} holds text but the target ships no tokenizer.json; give prompts as "
@@ -113,69 +143,118 @@ def _prompt_from_record(rec: dict, tokenizer, where: str) -> list[int]:
     raise Eagle3Error(f"{where}: expected a 'prompt', 'prompt_ids' or 'messages' key")
 
 
-def cache_key(target_dir: str, prompts: list[list[int]], response_len: int, temperature: float,
-              seed: int, eos_ids: tuple[int, ...] = ()) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps([os.path.abspath(target_dir), response_len, temperature, seed,
-                         sorted(eos_ids)]).encode())
-    for p in prompts:
-        h.update(json.dumps(p).encode())
-    return h.hexdigest()
+def cache_key(target: str, response_len: int, temperature: float, seed: int,
+              eos_ids: tuple[int, ...] = (), dtype: str | None = None) -> str:
+    """The regeneration settings' key (the prompts are keyed per chunk by `regenerate`)."""
+    where = os.path.abspath(target) if os.path.exists(target) else target
+    return hashlib.sha256(json.dumps([where, response_len, temperature, seed, sorted(eos_ids),
+                                      str(dtype or "float32")]).encode()).hexdigest()
 
 
 @torch.no_grad()
 def regenerate(target, prompts: list[list[int]], *, response_len: int, eos_ids: tuple[int, ...],
                batch_size: int = 32, temperature: float = 0.0, seed: int = 0,
-               progress: bool = True) -> list[Sample]:
-    """Let the target answer every prompt; batches prompts of equal length together."""
+               progress: bool = True, chunk_dir: str | None = None, key: str = "",
+               chunk_size: int = 256, cached_only: bool = False) -> list[Sample]:
+    """Let the target answer every prompt, batched through the engine (ragged prompts).
+
+    With `chunk_dir`, every `chunk_size` prompts are saved there as one file (written under a
+    temporary name, fsynced, then renamed) keyed by `key` (the settings) and the chunk's own
+    prompts: a rerun after an interruption loads the finished chunks and continues with the
+    first missing one, and a run over a prefix of the prompts reuses a longer run's chunks.
+    `cached_only`: raise instead of generating a missing chunk (data-parallel ranks > 0).
+    """
     from tqdm import tqdm
 
     max_len = target.config.max_seq_len
-    by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         if len(p) + response_len > max_len:
             raise Eagle3Error(f"prompt {i} ({len(p)} tokens) + --response-len {response_len} exceeds the "
                               f"target's max_seq_len {max_len}; shorten prompts or responses")
-        by_len.setdefault(len(p), []).append(i)
-    out: list[Sample | None] = [None] * len(prompts)
-    gen = torch.Generator().manual_seed(seed)
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+    out: list[Sample] = []
+    reused = 0
     bar = tqdm(total=len(prompts), desc="regenerating responses", disable=not progress, unit="prompt")
-    for length, idx in sorted(by_len.items()):
-        for s in range(0, len(idx), batch_size):
-            chunk = idx[s:s + batch_size]
-            batch = torch.tensor([prompts[i] for i in chunk])
-            resp = batched_greedy(target, batch, response_len, temperature=temperature, generator=gen)
-            for row, i in enumerate(chunk):
-                r = resp[row]
-                keep = torch.ones(response_len, dtype=torch.bool)
-                if eos.numel():
-                    hits = torch.isin(r, eos).nonzero()
-                    if hits.numel():
-                        keep[int(hits[0]) + 1:] = False  # loss up to and including the first EOS
-                tokens = torch.cat([batch[row], r])
-                mask = torch.cat([torch.zeros(length, dtype=torch.bool), keep])
-                out[i] = Sample(tokens, mask)
-            bar.update(len(chunk))
+    for c, start in enumerate(range(0, len(prompts), chunk_size)):
+        chunk = prompts[start:start + chunk_size]
+        path = os.path.join(chunk_dir, f"regen-{c:05d}.pt") if chunk_dir else None
+        ckey = hashlib.sha256(json.dumps([key, start, chunk]).encode()).hexdigest()
+        samples = _load_chunk(path, ckey) if path else None
+        if samples is None:
+            if cached_only:
+                raise Eagle3Error(f"regenerated chunk {path} is missing; rerun, or run single-process once")
+            responses = _engine_generate(target, chunk, response_len, eos_ids, batch_size,
+                                         temperature, seed + start)
+            samples = [_sample(p, r) for p, r in zip(chunk, responses)]
+            if path:
+                _save_chunk(path, ckey, samples)
+        else:
+            reused += 1
+        out.extend(samples)
+        bar.update(len(chunk))
     bar.close()
-    return out  # type: ignore[return-value]
+    if reused:
+        notice(f"reusing regenerated data: {reused} chunk(s) from {chunk_dir}")
+    return out
 
 
-def load_or_regenerate(cache_path: str, key: str, make) -> list[Sample]:
-    """Samples cached at `cache_path` under `key`, else `make()` and cache them."""
-    if os.path.isfile(cache_path):
-        try:
-            blob = torch.load(cache_path, weights_only=True)
-            if blob.get("key") == key:
-                notice(f"reusing regenerated data from {cache_path}")
-                return [Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"])]
-        except Exception:  # a stale or broken cache is simply rebuilt
-            pass
-    samples = make()
-    tmp = cache_path + ".tmp"
-    torch.save({"key": key, "tokens": [s.tokens for s in samples], "masks": [s.mask for s in samples]}, tmp)
-    os.replace(tmp, cache_path)
-    return samples
+def load_regenerated(chunk_dir: str) -> list[Sample]:
+    """Every sample `regenerate` saved in `chunk_dir`, in prompt order."""
+    out = []
+    for name in sorted(f for f in os.listdir(chunk_dir) if f.startswith("regen-") and f.endswith(".pt")):
+        blob = torch.load(os.path.join(chunk_dir, name), weights_only=True)
+        out.extend(Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"]))
+    return out
+
+
+def _engine_generate(target, prompts: list[list[int]], response_len: int, eos_ids: tuple[int, ...],
+                     batch_size: int, temperature: float, seed: int) -> list[list[int]]:
+    """Plain batched decoding of `prompts` with continuous batching (no head)."""
+    from ..engine import Engine, EngineConfig
+    from ..speculator import Eagle3Speculator
+
+    spec = Eagle3Speculator(target, None, None)
+    longest = max(len(p) for p in prompts) + response_len + 1
+    engine = Engine(spec, EngineConfig(max_batch=batch_size, max_queue=len(prompts) + 1,
+                                       max_kv_tokens=batch_size * longest,
+                                       speculate=False)).start(background=False)
+    try:
+        reqs = [engine.submit(list(p), response_len, temperature=temperature,
+                              seed=(seed + i) if temperature > 0 else None,
+                              stop_token_ids=list(eos_ids)) for i, p in enumerate(prompts)]
+        engine.run_until_idle()
+    finally:
+        engine.stop()
+    return [list(r.token_ids) for r in reqs]
+
+
+def _sample(prompt: list[int], response: list[int]) -> Sample:
+    """Prompt + response; loss on the response up to and including its first EOS."""
+    tokens = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+    mask = torch.zeros(tokens.numel(), dtype=torch.bool)
+    mask[len(prompt):] = True
+    return Sample(tokens, mask)
+
+
+def _load_chunk(path: str, key: str) -> list[Sample] | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        blob = torch.load(path, weights_only=True)
+    except Exception:  # a broken chunk is simply made again
+        return None
+    if blob.get("key") != key:
+        return None
+    return [Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"])]
+
+
+def _save_chunk(path: str, key: str, samples: list[Sample]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save({"key": key, "tokens": [s.tokens for s in samples],
+                    "masks": [s.mask for s in samples]}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def collate(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ it trains data-parallel (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from ..errors import Eagle3Error, notice
 from ..targets import load_target
 from ..targets.config import RopeConfig
 from ..tokenizer import load_tokenizer
-from .data import Sample, cache_key, collate, load_or_regenerate, read_prompts, regenerate
+from .data import Sample, cache_key, collate, read_prompts, regenerate
 from .ttt import ttt_loss
 from .vocab import build_draft_vocab
 
@@ -53,11 +54,15 @@ class TrainArgs:
     resume: bool = False
     ckpt_every: int = 100
     prompt_len: int = 64
+    max_prompt_len: int = 384  # sharegpt prompts longer than this are skipped
     response_len: int = 96
     prompts_per_file: int = 4
     regen_batch: int = 32
     temperature: float = 0.0
     features: str = "online"  # online | offline
+    autocast: bool = False  # bf16 autocast for the head's forward/backward (fp32 master weights)
+    dtype: str | None = None  # the target's dtype for regeneration and features (e.g. bfloat16)
+    max_seq_len: int | None = None  # the target's context for regeneration (default: its own)
     taps: tuple[int, ...] | None = None
     progress: bool = True
 
@@ -142,7 +147,8 @@ class FeatureStore:
 def _target_forward(target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, T = tokens.shape
     cache = target.new_cache(B, T)
-    return target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T)
+    logits, taps = target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T)
+    return logits.float(), taps.float()
 
 
 def lr_at(step: int, total: int, args: TrainArgs) -> float:
@@ -156,36 +162,34 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
                                                           torch.Tensor, str]:
     """Regenerated samples (cached) and the draft vocabulary."""
     out = Path(args.out)
-    tok = load_tokenizer(args.target) if os.path.isdir(args.target) else None
+    tok = load_tokenizer(args.target)
     if tok is not None and tok.vocab_size > target.config.vocab_size:
         raise Eagle3Error(f"the tokenizer has {tok.vocab_size} tokens but the target's vocabulary has "
                           f"{target.config.vocab_size}: they do not belong together")
     prompts = read_prompts(args.data, tok, prompt_len=args.prompt_len,
                            prompts_per_file=args.prompts_per_file, seed=args.seed,
-                           vocab_size=target.config.vocab_size)
-    key = cache_key(args.target, prompts, args.response_len, args.temperature, args.seed,
-                    target.config.eos_token_ids)
-    cache = str(out / "data" / "regenerated.pt")
-    if rank == 0:
-        samples = load_or_regenerate(cache, key, lambda: regenerate(
-            target, prompts, response_len=args.response_len, eos_ids=target.config.eos_token_ids,
-            batch_size=args.regen_batch, temperature=args.temperature, seed=args.seed,
-            progress=args.progress))
+                           vocab_size=target.config.vocab_size, max_prompt_len=args.max_prompt_len)
+    key = cache_key(args.target, args.response_len, args.temperature, args.seed,
+                    target.config.eos_token_ids, args.dtype)
+    regen = lambda cached_only: regenerate(
+        target, prompts, response_len=args.response_len, eos_ids=target.config.eos_token_ids,
+        batch_size=args.regen_batch, temperature=args.temperature, seed=args.seed,
+        progress=args.progress and rank == 0, chunk_dir=str(out / "data"), key=key,
+        cached_only=cached_only)
+    samples = regen(False) if rank == 0 else None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     if rank != 0:
-        samples = load_or_regenerate(cache, key, _rank0_wrote_nothing)
+        samples = regen(True)
     tokens = torch.cat([s.tokens for s in samples])
     mask = torch.cat([s.mask for s in samples])
     if not mask.any():
         raise Eagle3Error("the regenerated responses are empty (the target stops at once); check the "
                           "prompts and the target's EOS")
     ids, d2t, t2d = build_draft_vocab(tokens, mask, target.config.vocab_size, args.draft_vocab)
+    # The offline feature store's key: the settings and every sample's tokens.
+    key = hashlib.sha256(json.dumps([key] + [s.tokens.tolist() for s in samples]).encode()).hexdigest()
     return samples, ids, d2t, t2d, key
-
-
-def _rank0_wrote_nothing() -> list[Sample]:
-    raise Eagle3Error("rank 0 did not write the regenerated data; rerun, or run single-process once")
 
 
 def train_draft(args: TrainArgs) -> dict:
@@ -209,7 +213,7 @@ def train_draft(args: TrainArgs) -> dict:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype, max_seq_len=args.max_seq_len)
     V = target.config.vocab_size
     if not 1 <= args.draft_vocab <= V:  # before the (possibly long) regeneration
         raise Eagle3Error(f"--draft-vocab {args.draft_vocab} must be in 1..{V} (the target's "
@@ -219,6 +223,8 @@ def train_draft(args: TrainArgs) -> dict:
     taps = tuple(target.tap_layers)
     samples, ids, d2t, t2d, key = prepare(args, target, rank)
     head = new_head(target, ids, d2t, t2d, taps, args.seed)
+    if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
+        head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
     attach_head(head, target)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in head.embed_tokens.parameters():
@@ -269,8 +275,9 @@ def train_draft(args: TrainArgs) -> dict:
         norm = float(norm.clamp_min(1)) / world
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args)
-        loss, correct, counted = ttt_loss(head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
-                                          norm=norm)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.autocast):
+            loss, correct, counted = ttt_loss(head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
+                                              norm=norm)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:  # data parallel: average the gradients (each rank's loss is its share)

@@ -45,6 +45,10 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
     ids = torch.arange(head.config.draft_vocab_size, device=tokens.device) + head.d2t  # (dv,)
     target_p = torch.softmax(target_logits[..., ids].float(), dim=-1)  # (B, T, dv)
+    target_top = target_p.argmax(-1)  # (B, T)
+    # Every (row b, slot t) of the batch, flattened: (B*R,) each.
+    b_idx, t_idx = [x.reshape(-1) for x in torch.meshgrid(
+        torch.arange(B, device=tokens.device), torch.arange(R, device=tokens.device), indexing="ij")]
     causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
 
     g = head.fuse(taps[:, :R])  # (B, R, H)
@@ -79,19 +83,22 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             out = out + w[..., R + j:R + j + 1] * vj
         out = out.transpose(1, 2).reshape(B, R, nh * hd)
         h = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
-        logits = head.lm_head(head.norm(h))  # (B, R, dv)
+        # Rows whose prediction carries loss: logits only there (prompt rows feed the chain but
+        # predict nothing worth learning), the lm_head being most of a step's work.
+        rows = (t_idx + 2 + i < T) & mask[b_idx, (t_idx + 2 + i).clamp_max(T - 1)]  # (B*R,)
+        bi, ti = b_idx[rows], t_idx[rows]
         if return_logits:
-            all_logits.append(logits.detach())
-        logq = F.log_softmax(logits.float(), dim=-1)
-
-        p = _shift(target_p[:, 1:], i)  # target distribution at position t+1+i
-        weight = _shift(mask[:, 2:], i, False) if R > 1 else mask[:, :0]
-        weight = torch.cat([weight, weight.new_zeros(B, R - weight.shape[1])], 1).float()  # (B, R)
-        total = total + (decay ** i) * (-(p * logq).sum(-1) * weight).sum() / norm
+            full = head.lm_head(head.norm(h))  # (B, R, dv)
+            all_logits.append(full.detach())
+            logits = full[bi, ti]
+        else:
+            logits = head.lm_head(head.norm(h[bi, ti]))  # (n, dv)
+        # Soft cross-entropy to the target's distribution at position t+1+i.
+        ce = F.cross_entropy(logits.float(), target_p[bi, ti + 1 + i], reduction="sum")
+        total = total + (decay ** i) * ce / norm
         with torch.no_grad():
-            hit = (logq.argmax(-1) == p.argmax(-1)).float() * weight
-            correct[i] = hit.sum()
-            counted[i] = weight.sum()
+            correct[i] = (logits.argmax(-1) == target_top[bi, ti + 1 + i]).sum()
+            counted[i] = rows.sum()
         g = h
     if return_logits:
         return total, correct, counted, torch.stack(all_logits)

@@ -1,6 +1,6 @@
-"""Recipe: the embedded default target, a small Llama trained on Python source.
+"""Recipe: the toy code model (test fixture, models/toy/target), a small Llama trained on Python source.
 
-    python recipes/default_target.py --out models/default/target --minutes 40
+    python recipes/toy_target.py --out models/toy/target --minutes 40
 
 Steps (each cached under --work, so a rerun or an interrupted run resumes):
 1. corpus   the interpreter's standard library .py files (found with sysconfig,
@@ -81,7 +81,7 @@ def encode(tok, files: list[Path]) -> np.ndarray:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="models/default/target")
+    ap.add_argument("--out", default="models/toy/target")
     ap.add_argument("--work", default="out/default_target")
     ap.add_argument("--minutes", type=float, default=40.0, help="training time budget")
     ap.add_argument("--max-steps", type=int, default=100000)

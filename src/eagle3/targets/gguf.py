@@ -1,0 +1,303 @@
+"""GGUF checkpoints (llama.cpp's format) as native targets.
+
+`read_gguf(path)` turns a GGUF file into what a Hugging Face checkpoint gives:
+a `config.json`-style dict (parsed by `parse_decoder_config`, so both formats
+share one set of checks) and a state dict under HF tensor names, dequantized
+with the `gguf` package's own kernels. Three conversions undo what llama.cpp's
+`convert_hf_to_gguf.py` does on the way in:
+- Llama-family q/k rows are permuted (interleaved RoPE halves) -> un-permuted;
+- Gemma norms are stored as `1 + w` -> `w` (the native decoder applies `1 + w`);
+- tensor names `blk.N.attn_q` ... -> `model.layers.N.self_attn.q_proj` ...
+The tokenizer is rebuilt with transformers' GGUF tokenizer conversion and cached
+as `tokenizer.json` (see `gguf_tokenizer_dir`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import Eagle3Error
+
+# GGUF `general.architecture` -> HF model_type.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                 "gemma2": "gemma2", "gemma3": "gemma3_text"}
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# llama.cpp stores q/k of these architectures with the RoPE halves interleaved.
+PERMUTED = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# The norm around the MLP: Llama has one (post_attention_layernorm); Gemma's sandwich has four.
+_LLAMA_FFN_NORMS = {"ffn_norm": "post_attention_layernorm"}
+_GEMMA_FFN_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
+                    "post_attention_norm": "post_attention_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A GGUF file read into HF terms."""
+
+    path: str
+    config: dict  # config.json-style, for parse_decoder_config
+    reader: object  # gguf.GGUFReader (tensors are memory-mapped until `state_dict`)
+    arch: str
+    metadata: dict  # scalar metadata (tokenizer arrays left out)
+
+
+def _reader(path: str):
+    try:
+        import gguf
+    except ImportError:
+        raise Eagle3Error("reading GGUF files needs the gguf package: pip install gguf") from None
+    if not os.path.isfile(path):
+        raise Eagle3Error(f"GGUF file {path} does not exist; pass an existing .gguf file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, struct.error, IndexError, ... on bad files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise Eagle3Error(f"cannot read GGUF file {path} ({reason}): it is truncated or not a GGUF "
+                          "file; re-download or re-convert it") from None
+
+
+def _scalars(reader) -> dict:
+    """Metadata fields as Python values, except the big tokenizer arrays."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in (
+                "tokens", "merges", "scores", "token_type"):
+            out[key] = len(field.data)
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field whose type this gguf version cannot decode: not needed here
+            continue
+    return out
+
+
+def read_gguf(path: str) -> GGUFCheckpoint:
+    """Open `path` and translate its metadata into a config.json-style dict (no weights read)."""
+    reader = _reader(path)
+    meta = _scalars(reader)
+    kind = meta.get("general.type", "model")
+    if kind == "adapter" or "adapter.type" in meta:
+        raise Eagle3Error(f"{path} is a {meta.get('adapter.type', 'LoRA')} adapter, not a model: "
+                          "merge it into its base model first, or pass the base model's GGUF")
+    arch = meta.get("general.architecture")
+    if arch in ("clip", "mmproj") or kind == "mmproj":
+        raise Eagle3Error(f"{path} is a vision projector (mmproj), not a language model: pass the "
+                          "text model's GGUF")
+    if arch not in ARCHITECTURES:
+        raise Eagle3Error(f"{path}: GGUF architecture '{arch}' is not supported (supported: "
+                          f"{', '.join(ARCHITECTURES)}); convert the Hugging Face checkpoint instead "
+                          "and load it with backend='hf'")
+    rows = {t.name: int(t.shape[-1]) for t in reader.tensors}
+    if "rope_freqs.weight" in rows:
+        raise Eagle3Error(f"{path} carries per-frequency RoPE factors (rope_freqs, Llama 3.1 style), "
+                          "which the GGUF loader does not map yet; load the Hugging Face checkpoint")
+    return GGUFCheckpoint(path, _hf_config(meta, arch, rows, path), reader, arch, meta)
+
+
+def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
+    """config.json keys from GGUF metadata; `rows`: each tensor's row count (its last GGUF dim)."""
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    H = get("embedding_length")
+    heads = get("attention.head_count")
+    if H is None or heads is None or get("block_count") is None:
+        raise Eagle3Error(f"{where}: GGUF metadata lacks {arch}.embedding_length / block_count / "
+                          "attention.head_count; the file is incomplete")
+    if isinstance(heads, list) or isinstance(get("attention.head_count_kv"), list):
+        raise Eagle3Error(f"{where}: per-layer head counts are not supported by the native decoder")
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length") or H // heads)
+    vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens") or rows.get("token_embd.weight")
+    if not vocab:
+        raise Eagle3Error(f"{where}: no token_embd.weight tensor and no vocabulary size; the file is "
+                          "incomplete")
+    model_type = ARCHITECTURES[arch]
+    cfg = {
+        "model_type": model_type, "architectures": [f"{arch} (GGUF)"],
+        "hidden_size": int(H), "intermediate_size": int(get("feed_forward_length") or 4 * H),
+        "num_hidden_layers": layers, "num_attention_heads": int(heads),
+        "num_key_value_heads": int(get("attention.head_count_kv") or heads), "head_dim": head_dim,
+        "max_position_embeddings": int(get("context_length") or 4096),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in rows,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if get("rope.dimension_count") not in (None, head_dim):
+        raise Eagle3Error(f"{where}: partial rotary embeddings (rope.dimension_count "
+                          f"{get('rope.dimension_count')} < head dim {head_dim}) are not supported")
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise Eagle3Error(f"{where}: RoPE scaling '{scaling}' is not supported by the GGUF loader")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    if get("attention.sliding_window"):
+        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if model_type in ("gemma2", "gemma3_text"):
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp scales q by 1/sqrt(head_dim), except the 27B models (1/sqrt(H/heads)).
+        is_27b = layers == (46 if model_type == "gemma2" else 62)
+        cfg["query_pre_attn_scalar"] = H // heads if is_27b else head_dim
+        if model_type == "gemma2":
+            cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
+            cfg["final_logit_softcapping"] = get("final_logit_softcapping")
+        else:
+            # Without these keys llama.cpp runs Gemma 3's local layers at RoPE base 10000 and
+            # makes every 6th layer global.
+            cfg["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+            pattern = get("attention.sliding_window_pattern", 6) or 6
+            if isinstance(pattern, list):  # per layer: True = sliding
+                cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                cfg["sliding_window_pattern"] = int(pattern)
+    if model_type == "qwen2":
+        cfg["attention_bias"] = False  # the native Qwen2 layout always has q/k/v bias
+    return cfg
+
+
+def _hf_name(name: str, gemma: bool) -> str | None:
+    """HF tensor name for GGUF tensor `name`, or None when it has no counterpart."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    table = {**_LAYER_NAMES, **(_GEMMA_FFN_NORMS if gemma else _LLAMA_FFN_NORMS)}
+    if parts[2] not in table:
+        return None
+    return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
+
+
+def _dequantize(tensor, where: str) -> torch.Tensor:
+    import gguf
+
+    qtype = tensor.tensor_type
+    if qtype.name not in QUANT_TYPES:
+        raise Eagle3Error(f"{where}: tensor {tensor.name} has quantization type {qtype.name}, which "
+                          f"the loader does not support (supported: {', '.join(QUANT_TYPES)}); "
+                          "re-quantize with llama-quantize to one of them")
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne0 (the row length) first
+    try:
+        data = np.asarray(tensor.data)
+        if qtype.name == "BF16":  # stored as raw uint16 / uint8 words
+            arr = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float()
+        elif qtype.name in ("F32", "F16"):
+            arr = torch.from_numpy(data.astype(np.float32))
+        else:
+            arr = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32, copy=False))
+        return arr.reshape(shape)
+    except (ValueError, TypeError, RuntimeError) as e:  # short data: the file was cut
+        raise Eagle3Error(f"{where}: tensor {tensor.name} cannot be decoded ({str(e)[:80]}); the "
+                          "file is truncated or corrupt") from None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: rows (heads, 2, hd/2) were stored as (heads, hd/2, 2)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def state_dict(ckpt: GGUFCheckpoint) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF-named float32 tensors, and the GGUF tensors that map to nothing."""
+    gemma = ckpt.config["model_type"] in ("gemma2", "gemma3_text")
+    n_head, n_kv = ckpt.config["num_attention_heads"], ckpt.config["num_key_value_heads"]
+    state, unused = {}, []
+    for t in ckpt.reader.tensors:
+        name = _hf_name(t.name, gemma)
+        if name is None:
+            unused.append(t.name)
+            continue
+        w = _dequantize(t, ckpt.path)
+        if ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute(w, n_head if "q_proj" in name else n_kv)
+        if gemma and name.endswith("norm.weight"):
+            w = w - 1.0
+        state[name] = w
+    return state, unused
+
+
+def find_gguf(path: str) -> str | None:
+    """`path` itself when it is a .gguf file; the one .gguf in directory `path` (no config.json)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(found) > 1:
+            raise Eagle3Error(f"{path} holds {len(found)} .gguf files ({', '.join(found[:3])}); pass "
+                              "the file itself")
+        if found:
+            return os.path.join(path, found[0])
+    return None
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eagle3"
+
+
+def gguf_tokenizer_dir(path: str) -> str | None:
+    """A directory with `tokenizer.json` + `tokenizer_config.json` converted from GGUF `path`.
+
+    Converted once with transformers (the GGUF loader's own conversion) and cached under
+    ~/.cache/eagle3/gguf-tokenizers keyed by the file's path, size and mtime. None when the
+    file has no vocabulary.
+    """
+    st = os.stat(path)
+    key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns]).encode())
+    out = _cache_root() / "gguf-tokenizers" / key.hexdigest()[:20]
+    if (out / "tokenizer.json").is_file():
+        return str(out)
+    reader = _reader(path)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise Eagle3Error("building a tokenizer from GGUF needs transformers: "
+                          "pip install 'eagle3[hf]'") from None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
+    except Exception as e:  # transformers raises many types for vocabularies it cannot convert
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise Eagle3Error(f"{path}: cannot build its tokenizer ({reason}); pass token ids "
+                          "(--prompt-ids) or a checkpoint with tokenizer.json") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    meta = {k: reader.fields[k].contents() for k in ("tokenizer.chat_template",) if k in reader.fields}
+    cfg = {"chat_template": meta.get("tokenizer.chat_template"),
+           "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v}))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process won the race: its copy is the same
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

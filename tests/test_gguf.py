@@ -1,0 +1,209 @@
+"""GGUF targets: tiny files written here (gguf.GGUFWriter), checked against transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.errors import Eagle3Error
+from eagle3.targets import load_target
+from gguf_files import Q, oracle, write_gguf
+
+pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+
+# transformers' GGUF loader ignores Gemma's softcap and query-scale keys (it keeps its config
+# defaults: softcaps 50 / 30, query_pre_attn_scalar 256), so the Gemma fixtures use those values.
+GEMMA = dict(head_dim=256, query_pre_attn_scalar=256)
+ARCHS = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama_tied", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 128}),  # transformers reads no key_length for qwen3: its default 128
+    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("gemma3", {**GEMMA, "sliding_window": 7}),
+}
+# K-quants need rows of 256: a wider model.
+WIDE = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=4, vocab_size=256)
+
+
+def _tap_check(model, path: str, length: int = 20, seed: int = 0) -> None:
+    ref = oracle(path)
+    torch.manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, length))
+    L = model.config.num_hidden_layers
+    model.tap_layers = (1, L // 2, L - 1)
+    with torch.no_grad():
+        want = ref(ids, output_hidden_states=True)
+        got, taps = model(ids, torch.arange(length), model.new_cache(1, 64), kv_len=length)
+    torch.testing.assert_close(got, want.logits, atol=1e-4, rtol=1e-4)
+    H = model.config.hidden_size
+    for i, k in enumerate(model.tap_layers):
+        torch.testing.assert_close(taps[..., i * H:(i + 1) * H], want.hidden_states[k], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_architectures_match_transformers(arch, tmp_path):
+    variant, extra = ARCHS[arch]
+    hf = make_hf_model(variant, seed=1, **extra)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(hf, path)
+    model = load_target(path)
+    assert model.config.model_type == hf.config.model_type
+    _tap_check(model, path, length=20)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_quant_types_dequantize_like_transformers(qtype, tmp_path):
+    q = getattr(Q, qtype)
+    hf = make_hf_model("llama", seed=2, **(WIDE if qtype.endswith("_K") else {}))
+    path = str(tmp_path / f"m-{qtype}.gguf")
+    write_gguf(hf, path, qtype=q)
+    _tap_check(load_target(path), path, length=12)
+
+
+def test_gguf_greedy_equals_transformers_generate(tmp_path):
+    hf = make_hf_model("gemma3", seed=3, **ARCHS["gemma3"][1])
+    path = str(tmp_path / "g3.gguf")
+    write_gguf(hf, path, qtype=Q.Q8_0)
+    ref = oracle(path)
+    spec = eagle3.load(path)
+    prompt = [5, 17, 33, 2, 90, 11]
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert spec.generate(prompt, 24, stop_token_ids=[]).token_ids == want
+
+
+def test_gguf_speculation_is_lossless(tmp_path):
+    from eagle3.draft import attach_head, random_head
+    from eagle3.speculator import Eagle3Speculator
+
+    hf = make_hf_model("qwen3", seed=4, head_dim=128)
+    path = str(tmp_path / "q3.gguf")
+    write_gguf(hf, path, qtype=Q.Q8_0)
+    target = load_target(path)
+    head = random_head(target, draft_vocab_size=80, seed=1, taps=(1, 3, 5))
+    attach_head(head, target)
+    spec = Eagle3Speculator(target, head)
+    plain = spec.plain()
+    for k in (1, 3, 6):
+        prompt = [3, 9, 27, 81, 4]
+        assert spec.generate(prompt, 40, num_draft_tokens=k, stop_token_ids=[]).token_ids == \
+            plain.generate(prompt, 40, stop_token_ids=[]).token_ids
+
+
+def _bpe(vocab_size: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+            "def main():\n    return 0\n"] * 20
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok = _bpe()
+    hf = make_hf_model("llama", seed=5, vocab_size=320)
+    path = str(tmp_path / "tok.gguf")
+    write_gguf(hf, path, tokenizer=tok, chat_template=TEMPLATE)
+    spec = eagle3.load(path)
+    for text in ("hello world, how are you today?", "the lazy fox\n    return 0", "zebra xylophone!"):
+        assert spec.tokenizer.encode(text) == tok.encode(text).ids
+        assert spec.tokenizer.decode(tok.encode(text).ids) == text
+    msgs = [{"role": "user", "content": "hello world"}]
+    rendered = "<s>user\nhello world</s>\n<s>assistant\n"
+    assert spec.tokenizer.apply_chat_template(msgs) == tok.encode(rendered).ids
+    assert spec.target.config.eos_token_ids == (1,)
+    # A directory holding one .gguf loads the same way; the cached tokenizer is reused.
+    assert eagle3.load(str(tmp_path)).tokenizer.encode("hello") == tok.encode("hello").ids
+
+
+def test_gguf_bad_input(tmp_path):
+    hf = make_hf_model("llama", seed=6)
+    good = str(tmp_path / "good.gguf")
+    write_gguf(hf, good, qtype=Q.Q8_0)
+    data = open(good, "rb").read()
+    cases = {}
+    for frac in (0.02, 0.5, 0.97):
+        p = tmp_path / f"cut{frac}.gguf"
+        p.write_bytes(data[:int(len(data) * frac)])
+        cases[str(p)] = "truncated"
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    cases[str(junk)] = "not a GGUF"
+    unknown = str(tmp_path / "unknown.gguf")
+    write_gguf(hf, unknown, arch="rwkv6")
+    cases[unknown] = "architecture 'rwkv6' is not supported"
+    lora = str(tmp_path / "lora.gguf")
+    write_gguf(hf, lora, general_type="adapter")
+    cases[lora] = "adapter"
+    clip = str(tmp_path / "mmproj.gguf")
+    write_gguf(hf, clip, arch="clip")
+    cases[clip] = "vision projector"
+    for path, words in cases.items():
+        with pytest.raises(Eagle3Error, match=words):
+            load_target(path)
+    two = tmp_path / "two"
+    two.mkdir()
+    for n in ("a", "b"):
+        (two / f"{n}.gguf").write_bytes(data)
+    with pytest.raises(Eagle3Error, match="holds 2 .gguf files"):
+        load_target(str(two))
+
+
+def test_gguf_unsupported_quant_type(tmp_path):
+    import gguf
+    import numpy as np
+
+    hf = make_hf_model("llama", seed=7)
+    path = str(tmp_path / "iq.gguf")
+    write_gguf(hf, path)
+    # Relabel one tensor's type in place: rewrite the file with an IQ4_NL tensor of the right size.
+    w = gguf.GGUFWriter(path, "llama")
+    for key, fn in (("block_count", w.add_block_count), ("embedding_length", w.add_embedding_length)):
+        fn(hf.config.num_hidden_layers if key == "block_count" else hf.config.hidden_size)
+    w.add_head_count(4)
+    raw = np.zeros((hf.config.vocab_size, hf.config.hidden_size // 32 * 18), np.uint8)
+    w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(Eagle3Error, match="IQ4_NL"):
+        load_target(path)
+
+
+def test_cli_gguf_errors_and_inspect(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "eagle3")
+    hf = make_hf_model("qwen2", seed=8)
+    good = str(tmp_path / "q2.gguf")
+    write_gguf(hf, good, qtype=Q.Q4_0)
+    p = subprocess.run([exe, "inspect", good, "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    import json
+
+    info = json.loads(p.stdout)
+    assert info["kind"] == "target" and info["model_type"] == "qwen2" and info["format"] == "gguf"
+    assert set(info["quant_types"]) == {"F32", "Q4_0"}  # norms stay F32, matrices Q4_0
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(open(good, "rb").read()[:500])
+    for argv in (["inspect", str(bad)], ["generate", "--target", str(bad), "--prompt-ids", "1,2"]):
+        p = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
