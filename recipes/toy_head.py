@@ -1,4 +1,4 @@
-"""Recipe: the toy code model's EAGLE-3 head (the test fixture in models/toy), trained with `eagle3 train-draft`.
+"""Recipe: the toy code model's EAGLE-3 head (test fixture, models/toy), via `eagle3 train-draft`.
 
     python recipes/toy_head.py            # after recipes/toy_target.py
 

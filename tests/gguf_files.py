@@ -7,11 +7,10 @@ oracle is transformers' GGUF loader reading the same file.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import torch
-
-gguf = __import__("pytest").importorskip("gguf")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGMLQuantizationType as Q
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
         "gemma3_text": "gemma3"}

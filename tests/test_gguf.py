@@ -165,6 +165,8 @@ def test_gguf_bad_input(tmp_path):
         (two / f"{n}.gguf").write_bytes(data)
     with pytest.raises(Eagle3Error, match="holds 2 .gguf files"):
         load_target(str(two))
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        load_target(str(tmp_path / "missing.gguf"))
 
 
 def test_gguf_unsupported_quant_type(tmp_path):
@@ -207,3 +209,33 @@ def test_cli_gguf_errors_and_inspect(tmp_path):
         p = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=300)
         assert p.returncode == 2, p.stderr
         assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_cli_chat_needs_a_chat_template(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    exe = os.path.join(os.path.dirname(sys.executable), "eagle3")
+    tok = _bpe()
+    hf = make_hf_model("llama", seed=9, vocab_size=320)
+    plain = str(tmp_path / "plain.gguf")
+    write_gguf(hf, plain, tokenizer=tok)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for argv in (["chat", "--target", plain], ["generate", "--target", plain, "--chat", "hi"]):
+        p = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=300, input="hi\n", env=env)
+        assert p.returncode == 2 and "no chat template" in p.stderr and "generate" in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1, p.stderr
+    chat = str(tmp_path / "chat" / "m.gguf")
+    os.makedirs(os.path.dirname(chat))
+    write_gguf(hf, chat, tokenizer=tok, chat_template=TEMPLATE)
+    p = subprocess.run([exe, "generate", "--target", chat, "--chat", "hello world", "--system", "be brief",
+                        "--max-new-tokens", "6", "--stop-ids", "", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    rendered = "<s>system\nbe brief</s>\n<s>user\nhello world</s>\n<s>assistant\n"
+    want = eagle3.load(chat).generate(tok.encode(rendered).ids, 6, stop_token_ids=[]).token_ids
+    assert json.loads(p.stdout)["token_ids"] == want
+    p = subprocess.run([exe, "chat", "--target", chat, "--max-new-tokens", "4"], capture_output=True,
+                       text=True, timeout=300, input="hello world\n/reset\nthe fox\n/exit\n", env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("tok/s") == 2 and "conversation reset" in p.stderr

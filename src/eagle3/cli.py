@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat is not None:
         if tok is None or not tok.has_chat_template():
             raise Eagle3Error(f"target {args.target} has no chat template, so --chat cannot format a "
-                              "message; pass the text as PROMPT (plain completion)")
+                              "message; use `eagle3 generate PROMPT` (plain completion) instead")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.chat}]
         ids = tok.apply_chat_template(messages, "--chat")
@@ -185,9 +185,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import os
+
     import eagle3
 
-    from .default import default_target_dir
     from .export import export_program
 
     if args.backend not in ("auto", "native"):
@@ -198,7 +199,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
                        max_seq_len=args.max_seq_len, taps=args.taps)
-    tdir = default_target_dir() if args.target == "default" else args.target
+    tdir = os.path.dirname(spec.tokenizer.path) if spec.tokenizer is not None else None
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"eagle3: {msg}", file=sys.stderr))
     export_program(spec, args.out, max_seq_len=args.max_seq_len,
                           max_draft_tokens=args.max_draft_tokens, quantize=args.quantize,

@@ -152,7 +152,8 @@ TARGETS: dict[str, TargetSpec] = {
     "gemma2": TargetSpec(load_native, 4096, 1, "Gemma 2 (soft-capping, sliding window)"),
     "gemma3_text": TargetSpec(load_native, 4096, 1, "Gemma 3 text (q/k norm, local/global RoPE)"),
     "hf": TargetSpec(load_hf, 4096, 1, "any transformers AutoModelForCausalLM (adapter)"),
-    "default": TargetSpec(_load_default, 4096, 1, "the embedded default code model"),
+    "gguf": TargetSpec(load_gguf, 4096, 1, "a GGUF file (llama.cpp): llama, qwen2, qwen3, gemma2, gemma3"),
+    "default": TargetSpec(_load_default, 4096, 1, "the embedded default: SmolLM2-135M-Instruct (GGUF)"),
 }
 
 BACKENDS = ("auto", "native", "hf")

@@ -239,7 +239,10 @@ def state_dict(ckpt: GGUFCheckpoint) -> tuple[dict[str, torch.Tensor], list[str]
 
 def find_gguf(path: str) -> str | None:
     """`path` itself when it is a .gguf file; the one .gguf in directory `path` (no config.json)."""
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise Eagle3Error(f"GGUF file {path} does not exist; pass an existing .gguf file, a "
+                              "checkpoint directory or a model name (eagle3 models)")
         return path
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))

@@ -151,6 +151,23 @@ def _target_forward(target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits.float(), taps.float()
 
 
+def epoch_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
+    """One epoch's batches (sample indices): a seeded shuffle, then samples of similar length
+    batched together within windows of 16 batches (less padding), the batches shuffled again.
+    A function of the seed alone, so a resumed run sees the same batches."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    order = order[:steps * batch]
+    out = []
+    window = 16 * batch
+    for s in range(0, len(order), window):
+        chunk = sorted(order[s:s + window], key=lambda i: lengths[i])
+        out += [chunk[j:j + batch] for j in range(0, len(chunk), batch)]
+    rng.shuffle(out)
+    return out
+
+
 def lr_at(step: int, total: int, args: TrainArgs) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -253,14 +270,16 @@ def train_draft(args: TrainArgs) -> dict:
     elif args.resume:
         notice(f"--resume: no checkpoint in {out}; starting fresh")
 
+    lengths = [smp.tokens.numel() for smp in samples]
+    batches: dict[int, list[list[int]]] = {}
     bar = tqdm(total=total, initial=step, desc="train-draft", disable=not (args.progress and rank == 0))
     t0, tokens_done = time.time(), 0
     stop = min(total, args.stop_after) if args.stop_after is not None else total
     while step < stop:
         epoch, within = divmod(step, steps_per_epoch)
-        order = list(range(len(samples)))
-        random.Random(args.seed * 1000 + epoch).shuffle(order)
-        batch_idx = order[within * args.batch:(within + 1) * args.batch][rank::world]
+        if epoch not in batches:
+            batches = {epoch: epoch_batches(lengths, args.batch, steps_per_epoch, args.seed * 1000 + epoch)}
+        batch_idx = batches[epoch][within][rank::world]
         tokens, mask = collate([samples[i] for i in batch_idx])
         if store is None:
             tlogits, ttaps = _target_forward(target, tokens)

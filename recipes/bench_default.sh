@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's benchmark tables for the default (SmolLM2-135M-Instruct + models/default/head):
+# held-out ShareGPT and HumanEval, chain K and the default tree, greedy and temperature 0.7.
+#   recipes/bench_default.sh [LIMIT] [NEW_TOKENS] [REPEATS]
+set -euo pipefail
+LIMIT=${1:-16}
+NEW=${2:-96}
+REPEATS=${3:-2}
+mkdir -p docs/bench
+for SET in sharegpt-heldout humaneval; do
+  .venv/bin/eagle3 bench --prompts "$SET" --limit "$LIMIT" --max-new-tokens "$NEW" \
+    --num-draft-tokens auto,2,3,4,5,6 --tree default --temperature 0.7 --peers none \
+    --repeats "$REPEATS" --threads 2 --json "docs/bench/default-$SET.json" \
+    --plots "docs/bench/default-$SET" | tee "docs/bench/default-$SET.md"
+done

