@@ -3,13 +3,13 @@
 # held-out ShareGPT and HumanEval, chain K and the default tree, greedy and temperature 0.7.
 #   recipes/bench_default.sh [LIMIT] [NEW_TOKENS] [REPEATS]
 set -euo pipefail
-LIMIT=${1:-16}
+LIMIT=${1:-10}
 NEW=${2:-96}
 REPEATS=${3:-2}
 mkdir -p docs/bench
 for SET in sharegpt-heldout humaneval; do
   .venv/bin/eagle3 bench --prompts "$SET" --limit "$LIMIT" --max-new-tokens "$NEW" \
-    --num-draft-tokens auto,2,3,4,5,6 --tree default --temperature 0.7 --peers none \
+    --num-draft-tokens auto,2,3,4,5 --tree default --temperature 0.7 --peers none \
     --repeats "$REPEATS" --threads 2 --json "docs/bench/default-$SET.json" \
     --plots "docs/bench/default-$SET" | tee "docs/bench/default-$SET.md"
 done

@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        program=args.program)
     tok = spec.tokenizer
     if sum(x is not None for x in (args.prompt, args.prompt_ids, args.chat)) > 1:
-        raise Eagle3Error("give one of PROMPT, --prompt-ids and --chat")
+        raise Eagle3Error("give either a PROMPT, --prompt-ids or --chat, not several")
     if args.system is not None and args.chat is None:
         raise Eagle3Error("--system applies to --chat; add --chat MESSAGE")
     if args.chat is not None:
