@@ -15,7 +15,8 @@ import eagle3
 from eagle3.bench.cli import parse_ks
 from eagle3.bench.harness import run_bench
 from eagle3.bench.report import markdown
-from eagle3.decoding.autok import AUTO_MAX_K, PRIOR_ACCEPT, AutoK, predicted_speedup
+from eagle3.decoding.costs import AUTO_MAX_K, PRIOR_ACCEPT, Acceptance, RoundCosts, choose_plan
+from eagle3.decoding.round import Plan
 from eagle3.draft import attach_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
@@ -24,12 +25,18 @@ from heads import forced_head, save_bigram_target
 PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
 
 
-def flat_cost(ratio: float = 1.0, draft: float = 0.1, ks=range(1, AUTO_MAX_K + 1)) -> dict:
-    return {"verify_cost_ratio": {str(k + 1): ratio for k in ks}, "draft_step_over_target_forward": draft}
+def flat_cost(ratio: float = 1.0, draft: float = 0.1, max_k: int = AUTO_MAX_K) -> RoundCosts:
+    """Batch-1 costs: a plain step 1 ms, a verify of 2..max_k+1 tokens `ratio` ms, a draft
+    forward `draft` ms whatever its length (a K-chain round: ratio + K * draft)."""
+    return RoundCosts({1: [1.0] + [ratio] * max_k}, {1: [draft] * (max_k + 1)}, {1: 1.0})
+
+
+def choose(acc: Acceptance, cost: RoundCosts) -> int:
+    return choose_plan(cost, acc, 1, AUTO_MAX_K, min_k=1).k
 
 
 def test_record_counts_reached_and_accepted_positions():
-    auto = AutoK(flat_cost(), max_k=4)
+    auto = Acceptance(max_k=4)
     auto.record(4, 2)  # positions 0, 1 accepted; 2 reached and rejected; 3 never reached
     auto.record(2, 2)  # all accepted; nothing drafted past position 1
     auto.record(3, 0)
@@ -38,7 +45,7 @@ def test_record_counts_reached_and_accepted_positions():
 
 
 def test_rates_shrink_to_the_prior_and_follow_the_data():
-    auto = AutoK(flat_cost(), max_k=3)
+    auto = Acceptance(max_k=3)
     assert auto.rates() == pytest.approx([PRIOR_ACCEPT] * 3)
     for _ in range(10_000):
         auto.record(3, 1)  # position 0 always accepted, position 1 never
@@ -48,7 +55,7 @@ def test_rates_shrink_to_the_prior_and_follow_the_data():
 
 
 def test_tau_is_the_expected_accepted_length_plus_one():
-    auto = AutoK(flat_cost(), max_k=5)
+    auto = Acceptance(max_k=5)
     for k, a in [(5, 5), (5, 3), (4, 1), (5, 0), (2, 2), (5, 4), (3, 2)]:
         auto.record(k, a)
     q = auto.rates()
@@ -65,19 +72,22 @@ def test_tau_is_the_expected_accepted_length_plus_one():
     (1.0, 2.0, [(8, 8)] * 50, 1),  # a draft step dearer than a target forward never pays
 ])
 def test_choose_is_the_argmax_of_the_predicted_speedup(ratio, draft, rounds, expect):
-    auto = AutoK(flat_cost(ratio, draft))
+    auto, cost = Acceptance(), flat_cost(ratio, draft)
     for k, a in rounds:
         auto.record(k, a)
-    assert auto.choose() == expect
-    best = max(range(1, AUTO_MAX_K + 1), key=lambda k: predicted_speedup(auto.tau(k), k, auto.cost))
-    assert auto.choose() == best
+    assert choose(auto, cost) == expect
+    best = max(range(1, AUTO_MAX_K + 1), key=lambda k: cost.predicted_speedup(auto.tau(k), Plan(k)))
+    assert choose(auto, cost) == best
+    # independently: tau / (ratio + K * draft) against a 1 ms plain step
+    assert cost.predicted_speedup(auto.tau(3), Plan(3)) == pytest.approx(auto.tau(3) / (ratio + 3 * draft))
 
 
 def test_choose_skips_unmeasured_sizes():
-    auto = AutoK(flat_cost(ks=[1, 2]))  # e.g. a prompt too close to the cache's end to time more
+    cost = flat_cost(max_k=2)  # verify timed for 1..3 tokens only
+    auto = Acceptance()
     for _ in range(50):
         auto.record(8, 8)
-    assert auto.choose() == 2
+    assert choose(auto, cost) == 2 and cost.predicted_speedup(3.0, Plan(3)) is None
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +105,7 @@ def test_auto_is_lossless_and_settles_on_the_right_k(target, mode, expect):
     head = forced_head(t, mode)
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
-    spec.auto = AutoK(flat_cost(1.0, 0.05))  # injected: the choice then depends on acceptance only
+    spec.costs = flat_cost(1.0, 0.05)  # injected: the choice then depends on acceptance only
     chosen = []
     for p, n in itertools.product(PROMPTS, (5, 40)):
         r = spec.generate(p, n, stop_token_ids=[])  # num_draft_tokens=None: auto
@@ -111,17 +121,19 @@ def test_first_auto_generation_measures_the_cost_model(target):
     head = forced_head(t, "full")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
-    assert spec.auto is None
+    assert spec.costs is None
     r = spec.generate(PROMPTS[0], 12, num_draft_tokens="auto", stop_token_ids=[])
     assert r.token_ids == plain(t, PROMPTS[0], 12)
-    cost = spec.auto.cost
+    cost = spec.costs.cost_ratios()
     assert set(cost["verify_cost_ratio"]) == {str(m) for m in range(2, AUTO_MAX_K + 2)}
     assert cost["draft_step_over_target_forward"] > 0
-    assert spec.auto.reached[0] == r.stats["rounds"] > 0  # every round was recorded
+    assert spec.acceptance.reached[0] == r.stats["rounds"] > 0  # every round was recorded
     # An explicit K keeps its K and leaves auto's counts alone.
-    before = list(spec.auto.reached)
+    before = list(spec.acceptance.reached)
     r = spec.generate(PROMPTS[1], 12, num_draft_tokens=3, stop_token_ids=[])
-    assert r.stats["num_draft_tokens"] == 3 and spec.auto.reached == before
+    assert r.stats["num_draft_tokens"] == 3 and spec.acceptance.reached == before
+    # Calibration is not timed inside a generation: a second calibrate() measures nothing new.
+    assert spec.calibrate() is spec.costs
     with pytest.raises(eagle3.Eagle3Error, match="'auto' or an integer"):
         spec.generate(PROMPTS[0], 4, num_draft_tokens="fast")
 

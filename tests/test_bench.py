@@ -134,7 +134,7 @@ def test_report_accounting_matches_generate_stats(spec, dirs):
     assert report["speedup"] == pytest.approx(best["tokens_per_s"] / report["baseline_tokens_per_s"])
     assert report["accept_len_hist"] == best["accept_len_hist"]
     cost = report["cost_model"]
-    assert set(cost["verify_cost_ratio"]) == {"2", "4", "6"} and cost["draft_step_over_target_forward"] > 0
+    assert {"2", "4", "6"} <= set(cost["verify_cost_ratio"]) and cost["draft_step_over_target_forward"] > 0
     table = markdown(report)
     assert table.count("| EAGLE-3 K=") == 3 and "| plain (eagle3) |" in table
 
@@ -145,13 +145,13 @@ def test_report_accounting_matches_generate_stats(spec, dirs):
 
 
 def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
-    """Count every tensor -> Python conversion made in chain.py / plain.py, independently."""
+    """Count every tensor -> Python conversion made in the round (round.py, accept.py), independently."""
     seen = []
     for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
         orig = getattr(torch.Tensor, name)
 
         def counting(self, *a, _orig=orig, **kw):
-            if sys._getframe(1).f_code.co_filename.endswith(("decoding/chain.py", "decoding/plain.py")):
+            if sys._getframe(1).f_code.co_filename.endswith(("decoding/round.py", "decoding/accept.py")):
                 seen.append(1)
             return _orig(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, counting)
@@ -171,7 +171,7 @@ def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
         assert prof.prefill_seconds > 0 and prof.verify_seconds > 0
     # Off (the default), nothing is recorded and the stats keep their contract keys.
     r = spec.generate(PROMPTS[0], N, num_draft_tokens=3)
-    assert set(r.stats) == set(empty_stats()) | {"drafted_per_position", "num_draft_tokens"}
+    assert set(r.stats) == set(empty_stats()) | {"num_draft_tokens"}
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from eagle3 import Eagle3Error
+from eagle3.decoding import round as rounds
+from eagle3.decoding.costs import choose_plan
+from eagle3.decoding.round import Plan, run_round
 from eagle3.draft import attach_head, random_head
 from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
 from eagle3.engine.kv import PagePool
-from eagle3.engine.step import DraftPlan, commit, draft, plan_verify, reserve, verify
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
@@ -135,15 +137,17 @@ def test_speculation_off_and_sampling(bigram, random_target):
     ps = prompts(5, seed=17)
     off = run_all(Engine(spec, EngineConfig(max_batch=3, speculate=False)), [(p, 12) for p in ps])
     assert [r.token_ids for r in off] == [plain(spec, p, 12) for p in ps]
-    # Sampled rows decode plainly inside speculative batches: the same draws as plain sampling.
+    # Sampled rows speculate inside the same batches as greedy ones: the same draws as generate.
     engine = Engine(spec, EngineConfig(max_batch=5, num_draft_tokens=3))
     engine.start(background=False)
     greedy = [engine.submit(p, 12) for p in ps[:2]]
     sampled = [engine.submit(p, 12, temperature=0.9, top_p=0.9, seed=i) for i, p in enumerate(ps[2:])]
     engine.run_until_idle()
     assert [r.token_ids for r in greedy] == [plain(spec, p, 12) for p in ps[:2]]
+    assert engine.metrics()["spec_decode_num_drafts"] > 0
     for i, (r, p) in enumerate(zip(sampled, ps[2:])):
-        want = spec.plain().generate(p, 12, temperature=0.9, top_p=0.9, seed=i).token_ids
+        assert r.metrics["spec_decode_num_drafts"] > 0
+        want = spec.generate(p, 12, temperature=0.9, top_p=0.9, seed=i, num_draft_tokens=3).token_ids
         assert r.token_ids == want
 
 
@@ -158,15 +162,13 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram,
     ps = prompts(2, seed=19, low=5, high=9)
     reqs = [engine.submit(p, 30, stop_token_ids=[]) for p in ps]
     engine._admit()
-    before = [r.target_len for r in reqs]
-    plan = DraftPlan(reqs, 3)
-    reserve(engine.runner, plan)
-    drafts = draft(engine.runner, plan)
-    rows = commit(engine.runner, plan, drafts, verify(engine.runner, plan, plan_verify(plan, drafts)))
-    for row, r, n0 in zip(rows, reqs, before):
-        assert row.accepted == accepted and len(row.new) == accepted + 1
-        assert r.target_len == n0 + accepted + 1
-        assert r.pending_ids == row.new and r.pending_feats[0].shape[0] == accepted + 1
+    before = [r.seq.target_len for r in reqs]
+    verdicts = run_round(engine.backend, [r.seq for r in reqs], Plan(3))
+    for v, r, n0 in zip(verdicts, reqs, before):
+        assert v.accepted == accepted and len(v.new) == accepted + 1
+        assert v.path == list(range(1, accepted + 1))
+        assert r.seq.target_len == n0 + accepted + 1
+        assert r.seq.pending_ids == v.new and r.seq.pending_feats[0].shape[0] == accepted + 1
     engine.run_until_idle()  # a second round overwrites the rolled-back slots
     for r in reqs:
         assert r.token_ids == plain(spec, r.prompt_ids, 30, stop=[])
@@ -175,12 +177,12 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram,
     for _ in range(4):
         engine.step()
     seq = r.prompt_ids + r.token_ids[:-1]
-    assert r.state == RequestState.RUNNING and r.target_len == len(seq)
+    assert r.state == RequestState.RUNNING and r.seq.target_len == len(seq)
     cache = spec.target.new_cache(1, len(seq))
     spec.target.forward_logits_taps(torch.tensor([seq]), torch.arange(len(seq)), cache, kv_len=len(seq))
     slots = engine.pool.slots[r.id][:len(seq)]
     for layer in range(spec.target.config.num_hidden_layers):
-        got = engine.runner.tkv.k[layer][slots]  # (n, nkv, hd)
+        got = engine.backend.tkv.k[layer][slots]  # (n, nkv, hd)
         torch.testing.assert_close(got, cache.k[layer][0, :, :len(seq)].transpose(0, 1), atol=1e-5, rtol=1e-5)
     engine.stop()
     assert engine.pool.used_tokens == 0
@@ -252,10 +254,10 @@ def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(bigram
     ps = prompts(3, seed=31)
     first = [engine.submit(p, 20, stop_token_ids=[]) for p in ps]
     engine._admit()
-    real = engine.runner.target_forward
-    engine.runner.target_forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    real = engine.backend.target
+    engine.backend.target = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
     engine.step()
-    engine.runner.target_forward = real
+    engine.backend.target = real
     assert all(r.state == RequestState.FAILED and "device lost" in r.error for r in first)
     assert engine.pool.used_tokens == 0
     later = engine.submit(ps[0], 20, stop_token_ids=[])
@@ -291,12 +293,6 @@ def test_submit_errors_carry_http_statuses(bigram):
 
 
 def test_engine_refuses_unsupported_setups(tmp_path, bigram):
-    from conftest import make_hf_model
-
-    d = str(tmp_path / "mistral")
-    make_hf_model("mistral", seed=1).save_pretrained(d)
-    with pytest.raises(Eagle3Error, match="sliding-window"):
-        Engine(Eagle3Speculator(load_target(d)))
     with pytest.raises(Eagle3Error, match="native target"):
         Engine(Eagle3Speculator(load_target(bigram, backend="hf")))
     spec = spec_for(bigram, "full")
@@ -330,7 +326,7 @@ def test_automatic_k_uses_the_measured_costs(bigram):
     assert time.perf_counter() - t0 < 60
     assert [r.token_ids for r in reqs] == [plain(spec, p, 24, stop=[]) for p in ps]
     # a head that is always right: the model predicts speculation pays at small batches
-    assert engine.costs.best_k(1, engine.auto, engine.kmax) > 0
+    assert choose_plan(engine.costs, engine.acceptance, 1, engine.kmax).k > 0
 
 
 # -- found in review ----------------------------------------------------------------------------------------
@@ -383,16 +379,16 @@ def test_a_failing_sampler_fails_only_its_request(bigram):
     def broken(probs):
         raise RuntimeError("sampler broke")
 
-    sampled.sampler.sample = broken
+    sampled.seq.sampler.sample = broken
     engine.run_until_idle()
     assert sampled.state == RequestState.FAILED and "sampler broke" in sampled.error
     assert [r.token_ids for r in greedy] == [plain(spec, p, 16, stop=[]) for p in ps[:2]]
     assert engine.pool.used_tokens == 0
 
 
-def test_sampled_rows_keep_no_draft_backlog_and_plain_rounds_catch_up_alone(bigram):
-    """Sampled rows never draft (no pending taps); a greedy row after plain rounds catches up on
-    its own rather than padding the batch, and stays lossless."""
+def test_plain_rounds_catch_up_alone(bigram, monkeypatch):
+    """A row after plain rounds catches up on its own rather than padding the batch, and stays
+    lossless; a sampled row's backlog grows the same way and it then speculates again."""
     spec = spec_for(bigram, "mixed")
     engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3)).start(background=False)
     ps = prompts(3, seed=47, low=4, high=8)
@@ -402,28 +398,121 @@ def test_sampled_rows_keep_no_draft_backlog_and_plain_rounds_catch_up_alone(bigr
     engine.config.num_draft_tokens = 0  # plain rounds: the greedy row's backlog grows
     for _ in range(6):
         engine.step()
-    assert sampled.pending_ids == [] and len(greedy.pending_ids) == 6
+    assert len(sampled.seq.pending_ids) == len(greedy.seq.pending_ids) == 6
     engine.config.num_draft_tokens = 3
     sizes = []
-    real = engine.runner.catch_up_rows
-    engine.runner.catch_up_rows = lambda rows: (sizes.append([len(r.pending_ids) for r in rows]), real(rows))
+    real = rounds._catch_up_rows
+    monkeypatch.setattr(rounds, "_catch_up_rows",
+                        lambda b, rows, **kw: (sizes.append([len(r.pending_ids) for r in rows]),
+                                              real(b, rows, **kw)))
     late = engine.submit(ps[2], 20, stop_token_ids=[])
     engine.run_until_idle()
     assert [6] in sizes  # the backlog caught up alone
     assert greedy.token_ids == plain(spec, ps[1], 40, stop=[])
     assert late.token_ids == plain(spec, ps[2], 20, stop=[])
-    want = spec.plain().generate(ps[0], 40, temperature=0.8, seed=3, stop_token_ids=[]).token_ids
-    assert sampled.token_ids == want
+    assert len(sampled.token_ids) == 40 and sampled.metrics["spec_decode_num_drafts"] > 0
 
 
-def test_best_k_counts_sampled_rows_as_one_token(bigram):
-    from eagle3.decoding.autok import AutoK
-    from eagle3.engine.costs import BatchCosts, fit_line
+def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
+    from eagle3.decoding.costs import Acceptance, RoundCosts, fit_line
+    from eagle3.decoding.tree import TreeShape
 
-    flat = [10.0] * 9  # verifying more tokens costs nothing: speculation always pays for greedy rows
-    costs = BatchCosts({4: flat}, {4: [1.0] * 9})
-    auto = AutoK({}, 8)
-    assert costs.best_k(4, auto, 8) > 0
-    assert costs.best_k(4, auto, 8, greedy=0) == 0  # only sampled rows: drafting is pure cost
+    flat = [10.0] * 13  # verifying more tokens costs nothing: speculation always pays
+    acc = Acceptance(8)
+    cheap = RoundCosts({4: flat}, {4: [1.0] * 13})
+    assert choose_plan(cheap, acc, 4, 8).k > 0
+    steep = RoundCosts({4: [10.0 * T for T in range(1, 14)]}, {4: [1.0] * 13})
+    assert choose_plan(steep, acc, 4, 8) == Plan()  # each extra token costs a full forward
+    tree = TreeShape(2, 3, 6)
+    for _ in range(50):  # a tree that accepts 3 tokens a round beats chains that accept none
+        acc.record(4, 0)
+        acc.record(0, 2, tree=True)
+    assert choose_plan(cheap, acc, 4, 8, tree=tree).tree == tree
     assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
     assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1
+
+
+# -- one round for both paths: the engine equals generate -------------------------------------------
+
+MODES = [dict(num_draft_tokens=1), dict(num_draft_tokens=3),
+         dict(tree={"top_k": 2, "depth": 3, "total_tokens": 5}),
+         dict(tree={"top_k": 3, "depth": 4, "total_tokens": 10})]
+
+
+def engine_config(mode: dict, max_batch: int = 4) -> EngineConfig:
+    if "tree" in mode:
+        return EngineConfig(max_batch=max_batch, tree=mode["tree"], auto_plan=False)
+    return EngineConfig(max_batch=max_batch, num_draft_tokens=mode["num_draft_tokens"])
+
+
+@pytest.mark.parametrize("head", ["full", "partial", "zero", "second", "random"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "tree{total_tokens}".format(**m["tree"])
+                         if "tree" in m else f"K={m['num_draft_tokens']}")
+def test_engine_equals_generate_greedy_and_sampled(bigram, random_target, head, mode):
+    """The same request through the engine (batched with others) and through generate: the same
+    tokens and the same speculation counts, greedy and seeded sampling, to the cache's end."""
+    spec = spec_for(random_target if head == "random" else bigram, head, max_seq_len=48)
+    ps = prompts(6, seed=hash((head, str(mode))) % 997, low=2, high=14)
+    cases = [(p, 48 - len(p) if i % 3 == 0 else 5 + 4 * i,
+              dict(temperature=0.8, top_p=0.9, seed=i) if i % 2 else {}) for i, p in enumerate(ps)]
+    engine = Engine(spec, engine_config(mode)).start(background=False)
+    reqs = [engine.submit(p, n, stop_token_ids=[], **kw) for p, n, kw in cases]
+    engine.run_until_idle()
+    for r, (p, n, kw) in zip(reqs, cases):
+        g = spec.generate(p, n, stop_token_ids=[], **kw, **mode)
+        assert r.state == RequestState.FINISHED and r.token_ids == g.token_ids, (head, mode, kw)
+        m = r.metrics
+        assert (m["spec_decode_num_drafts"], m["spec_decode_num_draft_tokens"],
+                m["spec_decode_num_accepted_tokens"]) == (g.stats["rounds"], g.stats["draft_tokens"],
+                                                          g.stats["accepted_tokens"])
+        if not kw:
+            assert g.token_ids == plain(spec, p, n, stop=[])
+    assert engine.metrics()["spec_decode_num_drafts"] > 0 and engine.pool.used_tokens == 0
+
+
+def test_engine_equals_generate_with_stop_ids_inside_accepted_paths(bigram):
+    spec = spec_for(bigram, "full")
+    ps = prompts(4, seed=61, low=3, high=10)
+    for mode in MODES:
+        stops = [plain(spec, p, 30, stop=[])[4] for p in ps]
+        engine = Engine(spec, engine_config(mode)).start(background=False)
+        reqs = [engine.submit(p, 30, stop_token_ids=[s]) for p, s in zip(ps, stops)]
+        engine.run_until_idle()
+        for r, p, s in zip(reqs, ps, stops):
+            assert r.token_ids == spec.generate(p, 30, stop_token_ids=[s], **mode).token_ids
+            assert r.token_ids == plain(spec, p, 30, stop=[s]) and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2_swa", "gemma2", "gemma3"])
+def test_sliding_window_targets_run_in_the_engine(tmp_path, name):
+    """Windows of 7 positions, sequences far longer: chains and trees in ragged batches equal
+    plain decoding (window masks compare positions, also a tree node's own)."""
+    from conftest import make_hf_model
+
+    d = str(tmp_path / name)
+    make_hf_model(name, seed=2).save_pretrained(d)
+    t = load_target(d)
+    head = random_head(t, seed=4, scale=0.3)
+    attach_head(head, t, taps=(1, 2, 3))
+    spec = Eagle3Speculator(t, head)
+    ps = prompts(4, seed=71, low=3, high=20)
+    for mode in (MODES[1], MODES[3]):
+        engine = Engine(spec, engine_config(mode)).start(background=False)
+        reqs = [engine.submit(p, 30, stop_token_ids=[]) for p in ps]
+        engine.run_until_idle()
+        for r, p in zip(reqs, ps):
+            assert r.token_ids == plain(spec, p, 30, stop=[]), (name, mode)
+
+
+def test_engine_automatic_plan_may_pick_the_tree(bigram):
+    """With a tree offered and a head that is always right, the cost model's plans stay
+    lossless and the tree is drafted once its measured tokens per round beat the chains'."""
+    spec = spec_for(bigram, "full")
+    engine = Engine(spec, EngineConfig(max_batch=2, tree={"top_k": 2, "depth": 6, "total_tokens": 8}))
+    engine.start(background=False)
+    engine.acceptance.record(0, 5, tree=True)  # seen before: a tree round accepted 5
+    ps = prompts(3, seed=83, low=3, high=10)
+    reqs = [engine.submit(p, 40, stop_token_ids=[]) for p in ps]
+    engine.run_until_idle()
+    assert [r.token_ids for r in reqs] == [plain(spec, p, 40, stop=[]) for p in ps]
+    assert engine.costs is not None and set(engine.costs.verify) == {1, 2}

@@ -111,7 +111,7 @@ def test_exported_generation_is_lossless(programs, name):
             r = prog.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[])
             assert r.token_ids == want, (prompt, k)
             lengths |= {a for a, c in enumerate(r.stats["accept_len_hist"]) if c}
-    assert prog.auto is not None and prog.auto.max_k == K  # auto is capped by the program
+    assert prog.costs is not None and prog.max_auto_k == K  # auto is capped by the program
     if name == "mixed":  # rollbacks after every accepted length, and full acceptance
         assert {1, 2, 3, K} <= lengths
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.decoding.chain import ChainDrafter, granted_drafts
+from eagle3.decoding.round import Plan, Sequence, draft_chain, grant, prefill
 from eagle3.draft import attach_head, random_head, save_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
@@ -120,12 +120,14 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     spec = spec_with(t, head)
     prompt = torch.tensor([prompts(1, 7, 12, 13)[0]])
     n = prompt.shape[1]
-    spec.reset_caches()
-    tok, feat = spec.prefill(prompt, torch.arange(n))
-    drafter = ChainDrafter(spec, torch.arange(t.config.max_seq_len))
-    seed_tokens = torch.cat([prompt[:, 1:], tok.view(1, 1)], 1)
-    first, boundary = drafter.prefill_prompt(seed_tokens, feat)
-    drafts = drafter.draft_chain(first, boundary, 5)  # (1, 5)
+    seq = Sequence("s", prompt[0].tolist(), 20, frozenset())
+    tok = prefill(spec.backend, seq)  # the prompt's forward and the draft's catch-up
+    assert seq.draft_len == seq.target_len == n
+    drafts, _ = draft_chain(spec.backend, [seq], seq.root[None], seq.boundary[None, None], [n], 5)
+    with torch.no_grad():
+        _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
+    feat = head.fuse(taps)
+    seed_tokens = torch.cat([prompt[:, 1:], torch.tensor([[tok]])], 1)
     # Recompute without a cache: one forward over all slots, feeding each step the previous output.
     tokens, feats = seed_tokens, feat
     ids = []
@@ -137,10 +139,7 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
             tokens = torch.cat([tokens, nxt], 1)
             feats = torch.cat([feats, h[:, -1:]], 1)
     assert drafts[0].tolist() == ids
-    # chain_round leaves the draft cache's committed length unchanged.
-    before = drafter.length
-    drafter.chain_round(first, boundary, 4)
-    assert drafter.length == before and spec.draft_cache.length <= before
+    assert seq.draft_len == n  # drafting leaves the committed length unchanged
 
 
 # -- losslessness ------------------------------------------------------------------------------------
@@ -268,9 +267,16 @@ def test_stop_token_inside_accepted_span(dirs):
     assert got.stats["target_forwards"] == 2  # prefill + one round; emission cut inside it
 
 
+def granted_drafts(k: int, cur: int, max_len: int, room: int = 1000) -> int:
+    """Drafts a chain round may verify with `cur` tokens so far (the anchor at cur - 1)."""
+    seq = Sequence("s", [0], room, frozenset(), target_len=cur - 1, root=torch.zeros(1))
+    return grant(seq, Plan(k), max_len)
+
+
 def test_capacity_table():
     assert [granted_drafts(3, n, 100) for n in (96, 97, 98, 99)] == [3, 2, 1, 0]
     assert granted_drafts(8, 10, 100) == 8 and granted_drafts(3, 100, 100) == 0
+    assert granted_drafts(8, 10, 100, room=4) == 3  # drafts past max_new_tokens are not verified
 
 
 @pytest.mark.parametrize("mode", ["full", "zero"])

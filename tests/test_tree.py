@@ -15,19 +15,13 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.decoding.tree import (
-    DEFAULT_TREE,
-    DraftTree,
-    TreeDrafter,
-    TreeShape,
-    greedy_path,
-    parse_tree,
-    select_tree,
-    speculative_generate,
-)
+from eagle3.decoding import round as rounds
+from eagle3.decoding.accept import greedy_path
+from eagle3.decoding.round import Plan, Proposal, Sequence, prefill, propose
+from eagle3.decoding.tree import DEFAULT_TREE, TreeShape, parse_tree, select_tree
 from eagle3.draft import attach_head, random_head
 from eagle3.errors import Eagle3Error
-from eagle3.speculator import Eagle3Speculator, empty_stats
+from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
 
@@ -118,25 +112,26 @@ def candidates(draw):
 def test_select_tree_is_a_connected_tree(c):
     scores, parents, levels, n = c
     M = len(scores)
-    tree = select_tree(torch.arange(M), torch.tensor(scores), torch.tensor(parents),
-                       torch.tensor(levels), n, max(levels))
-    kept = tree.tokens.tolist()  # tokens = candidate ids here
+    tokens, tree_parents, depth, mask = (x[0] for x in select_tree(
+        torch.arange(M)[None], torch.tensor(scores)[None], torch.tensor(parents)[None],
+        torch.tensor(levels)[None], n, max(levels)))
+    kept = tokens.tolist()  # tokens = candidate ids here
     assert len(kept) == n == len(set(kept))
     # The n best scores are kept (ties may pick either candidate of equal score).
     assert sorted((scores[i] for i in kept), reverse=True) == sorted(scores, reverse=True)[:n]
     node_of = {cand: j for j, cand in enumerate(kept, start=1)}
     for j, cand in enumerate(kept, start=1):
-        par = tree.parents[j - 1].item()
+        par = tree_parents[j - 1].item()
         assert par < j  # parents first
         assert par == (0 if parents[cand] < 0 else node_of[parents[cand]])  # connected
-        assert tree.depth[j] == levels[cand]
+        assert depth[j] == levels[cand]
     # mask row j: node j and its ancestors, by walking up.
     for j in range(n + 1):
         want, node = {j}, j
         while node:
-            node = tree.parents[node - 1].item()
+            node = tree_parents[node - 1].item()
             want.add(node)
-        assert set(torch.nonzero(tree.mask[j]).flatten().tolist()) == want
+        assert set(torch.nonzero(mask[j]).flatten().tolist()) == want
 
 
 def test_greedy_path():
@@ -156,37 +151,36 @@ def test_draft_tree_equals_stateless_recompute(dirs):
     head = random_head(t, draft_vocab_size=48, taps=(1, 3, 5), scale=0.3)
     spec = spec_with(t, head)
     shape = TreeShape(3, 4, 20)
-    spec.reset_caches()
     prompt = torch.tensor([prompts(1, 5)[0] + [7, 9]])
     n = prompt.shape[1]
-    _, taps = t.forward_logits_taps(prompt, torch.arange(n), spec.target_cache, kv_len=n)
-    feats = spec._fuse(taps)  # (1, n, H)
-    anchor = torch.tensor([[33]])
+    seq = Sequence("s", prompt[0].tolist(), 30, frozenset())
+    anchor = torch.tensor([[prefill(spec.backend, seq)]])
+    tree = propose(spec.backend, [seq], Plan(tree=shape), [shape.total_tokens])
+    _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
+    feats = head.fuse(taps)  # (1, n, H)
     seed = torch.cat([prompt[:, 1:], anchor], dim=1)
-    drafter = TreeDrafter(spec)
-    root_logits, boundary = drafter.reseed(seed, feats, 0)
-    tree = drafter.draft_tree(root_logits, boundary, shape, shape.total_tokens)
+    tokens, parents = tree.tokens[0], tree.parents[0]
 
     def path_of(j):
         path = []
         while j:
             path.append(j)
-            j = tree.parents[j - 1].item()
+            j = parents[j - 1].item()
         return path[::-1]
 
     t2d = {int(d + head.d2t[d]): d for d in range(48)}
-    for j in range(1, tree.size + 1):
+    for j in range(1, tokens.shape[0] + 1):
         path = path_of(j)
         # From scratch: seed tokens with target features, then one step per path node before j.
         cache = head.new_cache(1, 64)
         logits, h = head(seed, feats, torch.arange(n), cache, kv_len=n)
         lg, feat = logits[0, -1], h[:, -1:]
         for i, node in enumerate(path[:-1]):
-            tok = tree.tokens[node - 1].view(1, 1)
+            tok = tokens[node - 1].view(1, 1)
             logits, feat = head(tok, feat, torch.tensor([n + i]), cache, kv_len=n + i + 1)
             lg = logits[0, -1]
         lp = torch.log_softmax(lg.float(), -1)
-        tok = int(tree.tokens[j - 1])
+        tok = int(tokens[j - 1])
         assert tok in t2d
         assert lp[t2d[tok]] >= lp.topk(shape.top_k).values[-1] - 1e-5  # among its parent's top_k
     assert int(tree.depth.max()) <= shape.depth
@@ -348,19 +342,25 @@ def test_cli_tree_and_sampling(dirs, bigram, tmp_path, capsys):
         assert code == 2 and msg in err and "Traceback" not in err, (extra, err)
 
 
-def oracle_tree(tokens: list[int], parents: list[int]) -> DraftTree:
+def oracle_tree(tokens: list[int], parents: list[int]) -> Proposal:
+    """A one-row proposal of these nodes (ancestor mask by walking up, written independently)."""
     depth = [0]
     for par in parents:
         depth.append(depth[par] + 1)
-    up = torch.tensor([0] + parents)
-    mask = torch.eye(len(tokens) + 1, dtype=torch.bool)
-    for _ in range(len(tokens)):
-        mask = mask | mask[up]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), mask)
+    N = len(tokens)
+    mask = torch.zeros(N + 1, N + 1, dtype=torch.bool)
+    for j in range(N + 1):
+        node = j
+        mask[j, node] = True
+        while node:
+            node = parents[node - 1]
+            mask[j, node] = True
+    return Proposal(torch.tensor([tokens]), torch.tensor([parents]), torch.tensor([depth]), mask[None],
+                    q=[None], counts=[N])
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gemma3"])
-def test_deep_paths_through_second_children_on_real_attention(dirs, name):
+def test_deep_paths_through_second_children_on_real_attention(dirs, name, monkeypatch):
     """Trees that put the target's own continuation, 10 deep, under a decoy first child: every
     round accepts a non-contiguous path through real attention layers (sliding windows of 7
     < the depth), so the tree mask, RoPE and window positions and the compaction all matter."""
@@ -370,17 +370,18 @@ def test_deep_paths_through_second_children_on_real_attention(dirs, name):
     n, new, D = len(prompt), 60, 10
     full = plain(t, prompt, new)
 
-    def propose(drafter, root_logits, boundary, n_nodes):
-        i = drafter.length - n  # the anchor is full[i]
+    def oracle_propose(backend, rows, plan, counts):
+        i = rows[0].draft_len - n  # the anchor is full[i]
         true = full[i + 1:i + 1 + D]
         tokens = [(true[0] + 1) % V] + true  # node 1: a decoy; nodes 2..: the continuation
         parents = [0, 0] + list(range(2, len(true) + 1))
-        return oracle_tree(tokens[:n_nodes], parents[:n_nodes])
+        m = min(counts[0], len(tokens))
+        return oracle_tree(tokens[:m], parents[:m])
 
-    stats = empty_stats()
-    got = speculative_generate(spec, prompt, new, frozenset(), stats, propose, D + 1, D)
-    assert got == full
-    assert stats["accept_len_hist"][D] >= 4  # full-depth paths through the second child
+    monkeypatch.setattr(rounds, "propose", oracle_propose)
+    r = spec.generate(prompt, new, tree=dict(top_k=2, depth=D, total_tokens=D + 1), stop_token_ids=[])
+    assert r.token_ids == full
+    assert r.stats["accept_len_hist"][D] >= 4  # full-depth paths through the second child
 
 
 def test_api_argument_errors(dirs):

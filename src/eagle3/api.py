@@ -14,7 +14,8 @@ from .tokenizer import load_tokenizer
 
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
          backend: str = "auto", max_seq_len: int | None = None, taps=None,
-         compile: bool = False, program: str | None = None) -> Eagle3Speculator:
+         compile: bool = False, program: str | None = None,
+         device: str | torch.device | None = None) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
     draft: a head directory; None (the default head for 'default', else no
@@ -25,14 +26,18 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     taps: target layers feeding the head (default: the head config's ids, else
     (2, L//2, L-3)); tap k = hidden state entering layer k. compile: run the
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
-    native backend only).
+    native backend only). device: where the target and head run ('cpu' default, 'cuda',
+    'cuda:1', ...); every tensor the decoding round builds lives there too.
     """
     from .default import default_head_dir
     from .draft import attach_head, load_head
 
     if not isinstance(target, str) or not target:
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
+    dev = resolve_device(device)
     if backend == "executorch" or program is not None:
+        if dev.type != "cpu":
+            raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
         return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program)
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")
@@ -53,8 +58,31 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     if draft not in (None, "none"):
         _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
         attach_head(head, tgt, where=f"head {draft}", taps=taps)
+    if dev.type != "cpu":
+        tgt.to(dev)
+        if head is not None:
+            head.to(dev)
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return spec.compile() if compile else spec
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device that exists here; one-line errors otherwise."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise Eagle3Error(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Eagle3Error(f"device {device!r}: CUDA is not available on this machine; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise Eagle3Error(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                              "device(s)")
+    elif dev.type != "cpu":
+        raise Eagle3Error(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
 
 
 def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program) -> Eagle3Speculator:

@@ -85,7 +85,7 @@ class ChatSession:
             self.out.write(reply[len(shown[0]):])
         self.out.write("\n")
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-        hist = req.accept_len_hist
+        hist = req.metrics["accept_len_hist"]
         rounds = sum(hist)
         tau = 1.0 + sum(i * n for i, n in enumerate(hist)) / rounds if rounds else None
         rate = len(got) / seconds if seconds else 0.0

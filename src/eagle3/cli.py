@@ -55,8 +55,25 @@ def _add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine:
         p.add_argument("--program", default=None, metavar="DIR",
                        help="with --backend executorch: the --out directory of `eagle3 export`")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None,
+                   help="where the target and head run: cpu (default), cuda, cuda:N")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
+
+
+def _add_tree_args(p: argparse.ArgumentParser, tree_help: str) -> None:
+    """--tree / --chain and the tree's shape (--tree-* imply --tree)."""
+    from .decoding.tree import DEFAULT_TREE as d
+
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--tree", action="store_true", help=tree_help)
+    shape.add_argument("--chain", action="store_true", help="chain drafting (default)")
+    p.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                   help=f"children per expanded node (default {d.top_k}; implies --tree)")
+    p.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help=f"tree levels = longest acceptable draft (default {d.depth}; implies --tree)")
+    p.add_argument("--tree-total-tokens", type=int, default=None, metavar="N",
+                   help=f"nodes verified per round (default {d.total_tokens}; implies --tree)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,7 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
                        max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile,
-                       program=args.program)
+                       program=args.program, device=args.device)
     tok = spec.tokenizer
     if sum(x is not None for x in (args.prompt, args.prompt_ids, args.chat)) > 1:
         raise Eagle3Error("give either a PROMPT, --prompt-ids or --chat, not several")
@@ -114,8 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decoding_kwargs(args: argparse.Namespace) -> dict:
-    """generate()'s keyword arguments from the command line (--tree-* imply --tree)."""
+def _decoding_kwargs(args: argparse.Namespace, sampling: bool = True) -> dict:
+    """generate()'s keyword arguments from the command line (--tree-* imply --tree); without
+    `sampling`, only the tree."""
     tree = None
     custom = {key: getattr(args, f"tree_{key}") for key in ("top_k", "depth", "total_tokens")
               if getattr(args, f"tree_{key}") is not None}
@@ -124,6 +142,8 @@ def _decoding_kwargs(args: argparse.Namespace) -> dict:
                           "drop one")
     if args.tree or custom:
         tree = custom or True
+    if not sampling:
+        return {"tree": tree}
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                 num_draft_tokens=args.num_draft_tokens, tree=tree, stop_token_ids=args.stop_ids)
 
@@ -197,6 +217,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.device not in (None, "cpu"):
+        raise Eagle3Error("export lowers for the CPU (XNNPACK); drop --device")
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
                        max_seq_len=args.max_seq_len, taps=args.taps)
     tdir = os.path.dirname(spec.tokenizer.path) if spec.tokenizer is not None else None
@@ -234,11 +256,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or ("eagle3-default" if args.target == "default"
                                else os.path.basename(os.path.normpath(args.target)))
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.max_seq_len, device=args.device)
     k = None if args.num_draft_tokens in (None, "auto") else args.num_draft_tokens
+    tree = _decoding_kwargs(args, sampling=False)["tree"]
+    if tree is not None and k is not None:
+        raise Eagle3Error("--num-draft-tokens fixes a chain; with --tree the cost model picks among "
+                          "plain, chains and the tree (drop one)")
     engine = Engine(spec, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                        max_kv_tokens=args.max_kv_tokens, speculate=not args.no_speculate,
-                                       num_draft_tokens=k, request_timeout_s=args.request_timeout))
+                                       num_draft_tokens=k, request_timeout_s=args.request_timeout,
+                                       tree=tree))
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
@@ -271,7 +298,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise Eagle3Error("--max-new-tokens must be >= 1")
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.max_seq_len, device=args.device)
     session = ChatSession(spec, system=args.system, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed)
     try:
@@ -336,18 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="run the decode/verify/draft steps through torch.compile (faster steps; "
                         "compiling takes a minute or more the first time, then is cached on disk)")
-    shape = g.add_mutually_exclusive_group()
-    shape.add_argument("--tree", action="store_true",
-                       help="dynamic tree drafting (EAGLE-2/3): expand the top-k children of the "
-                            "best nodes level by level, verify the best nodes in one target forward")
-    shape.add_argument("--chain", action="store_true", help="chain drafting (default)")
-    from .decoding.tree import DEFAULT_TREE as d
-    g.add_argument("--tree-top-k", type=int, default=None, metavar="K",
-                   help=f"children per expanded node (default {d.top_k}; implies --tree)")
-    g.add_argument("--tree-depth", type=int, default=None, metavar="D",
-                   help=f"tree levels = longest acceptable draft (default {d.depth}; implies --tree)")
-    g.add_argument("--tree-total-tokens", type=int, default=None, metavar="N",
-                   help=f"nodes verified per round (default {d.total_tokens}; implies --tree)")
+    _add_tree_args(g, "dynamic tree drafting (EAGLE-2/3): expand the top-k children of the best "
+                      "nodes level by level, verify the best nodes in one target forward")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
@@ -511,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None, metavar="K|auto",
                    help="draft tokens per round; auto (default) picks K per batch size from a cost "
                         "model measured at start-up and the acceptance seen so far")
+    _add_tree_args(s, "offer tree drafting too: per batch size the cost model picks plain decoding, "
+                      "a chain of K or the tree, by measured costs and acceptance")
     s.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request after S seconds (answered 504); default: no limit")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",

@@ -213,7 +213,7 @@ def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[
 
 def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -> list[list[int]]:
     """Token ids per record, each checked against the target (vocabulary, length)."""
-    from ..speculator import check_request
+    from ..decoding.request import check_generation
     from ..train.data import _prompt_from_record
 
     cfg = spec.target.config
@@ -221,7 +221,8 @@ def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -
     for where, rec in records:
         ids = _prompt_from_record(rec, spec.tokenizer, where)
         try:
-            prompts.append(check_request(ids, max_new_tokens, cfg.vocab_size, cfg.max_seq_len))
+            prompts.append(check_generation(ids, max_new_tokens, vocab_size=cfg.vocab_size,
+                                            max_len=cfg.max_seq_len, eos_token_ids=()).prompt)
         except Eagle3Error as e:
             raise Eagle3Error(f"{where}: {e}") from None
     return prompts
@@ -273,7 +274,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             backends[name] = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=backend,
                                          max_seq_len=args.max_seq_len, taps=args.taps,
-                                         compile=args.compile)
+                                         compile=args.compile, device=args.device)
     spec = next(iter(backends.values()))
     if spec.draft is None:
         notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
@@ -341,7 +342,7 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
-                       max_seq_len=args.max_seq_len, taps=args.taps)
+                       max_seq_len=args.max_seq_len, taps=args.taps, device=args.device)
     if spec.draft is None:
         raise Eagle3Error("--concurrency compares speculation off vs on: it needs a draft head (--draft DIR)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)

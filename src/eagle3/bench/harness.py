@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..decoding.autok import measure_cost, predicted_speedup
 from ..decoding.profile import Profile, profiling
+from ..decoding.round import Plan
 
 PLAIN = "plain"
 
@@ -130,10 +130,10 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
     return row
 
 
-def cost_model(spec: Any, prompt: list[int], ks: list[int], repeats: int) -> dict[str, Any]:
-    """cost(K+1)/cost(1) of target_verify over K+1 tokens, and draft step / target forward,
-    through the engine as configured (compiled steps when enabled). Needs a head."""
-    return measure_cost(spec, prompt, [k + 1 for k in ks], repeats)
+def cost_model(spec: Any) -> Any:
+    """The speculator's cost model (`Eagle3Speculator.calibrate`), measured on its backend as
+    configured (compiled steps when enabled). Needs a head."""
+    return spec.calibrate()
 
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
@@ -191,6 +191,8 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
                     sampled.append((b, name, k, t))
                     arms[name] = engine_arm(bspec, max_new_tokens, k, t, temperature)
     arms.update(peers or {})
+    # Calibrated before any timing: the automatic rows need it, and it must not land in a row.
+    models = {b: cost_model(bspec) for b, bspec in backends.items() if bspec.draft is not None}
     samples = interleave(arms, prompts, repeats, progress=progress)
     plain = samples[label(names[0], PLAIN)]
     rows = []
@@ -209,17 +211,15 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         if k == "auto":
             rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
     base = rows[0]["tokens_per_s"]
-    costs = {b: cost_model(bspec, prompts[0], [k for k in ks if k <= getattr(bspec, "max_draft_tokens", k)],
-                           max(10, 3 * repeats))
-             for b, bspec in backends.items() if bspec.draft is not None}
+    costs = {b: {**m.cost_ratios(), **m.as_dict()} for b, m in models.items()}
     backend_plain = {r.get("backend"): r["tokens_per_s"] for r in rows if r["arm"] == "plain"}
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base
         if multi:
             row["speedup_vs_backend_plain"] = row["tokens_per_s"] / backend_plain[row["backend"]]
-        cost = costs.get(row.get("backend", names[0]))
-        row["predicted_speedup"] = (predicted_speedup(row["mean_accept_len"], row["k"], cost)
-                                    if isinstance(row["k"], int) and cost else None)
+        model = models.get(row.get("backend", names[0]))
+        row["predicted_speedup"] = (model.predicted_speedup(row["mean_accept_len"], Plan(row["k"]))
+                                    if isinstance(row["k"], int) and model else None)
     sampled_rows = []
     for b, name, k, t in sampled:
         first = name == label(b, f"sampled plain T={temperature:g}")

@@ -84,5 +84,5 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{c['target_forward_ms']:.2f} ms; cost(K+1)/cost(1) = verify over K+1 tokens / plain "
                      f"step: {ratios or '-'}; draft step / plain step "
                      f"{c['draft_step_over_target_forward']:.2f}; "
-                     "model = tau / (cost(K+1)/cost(1) + K * draft/target).")
+                     "model = tau x plain step / (verify(K+1) + catch-up(K+1) + (K-1) draft steps).")
     return "\n".join(lines)

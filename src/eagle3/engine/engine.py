@@ -5,8 +5,10 @@ A scheduler thread repeats one step:
     1. apply aborts and timeouts (waiting or running), freeing every page they held
     2. admit waiting requests in arrival order while a batch slot and their worst-case KV
        fit (continuous batching: new requests join between rounds); prefill each
-    3. run one round for the whole batch (`step.run_round`): batched drafts, one batched
-       verify, per-row acceptance, K chosen for this batch size (`costs.BatchCosts`)
+    3. run one round for the whole batch (`decoding.round.run_round`, the same round
+       `generate` runs at batch 1): batched drafts (chains or trees, greedy or sampled rows),
+       one batched verify, per-row acceptance; the plan (plain, K, or the tree) chosen for
+       this batch size by the cost model (`decoding.costs`)
     4. hand each request its new tokens (`on_event`); finish the ones that are done
 
 A failure inside one request's handling (its callback, its sampler) fails that
@@ -21,19 +23,18 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..decoding.autok import AUTO_MAX_K, AutoK
-from ..decoding.sampling import Sampler, check_sampling
+from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, choose_plan, probe_batch_sizes
+from ..decoding.request import MAX_NUM_DRAFT_TOKENS, SAMPLING_K, check_generation
+from ..decoding.round import Plan, Sequence, prefill, run_round
+from ..decoding.sampling import Sampler
+from ..decoding.tree import TreeShape, parse_tree
 from ..errors import Eagle3Error, notice
-from ..speculator import check_stop_ids
-from .costs import BatchCosts, probe_batch_sizes
-from .kv import PagePool
+from .kv import PagedBackend, PagePool
 from .request import DONE, Request, RequestState
-from .step import BatchRunner, run_round
 
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "prompt_tokens", "generation_tokens")
@@ -53,7 +54,9 @@ class EngineConfig:
     max_queue: int = 64  # waiting requests beyond this are refused (429)
     max_kv_tokens: int | None = None  # KV pool size in tokens (default: max_batch * max_seq_len)
     speculate: bool = True  # False: plain batched decoding even with a head
-    num_draft_tokens: int | None = None  # None: K per batch size from the cost model
+    num_draft_tokens: int | None = None  # None: the plan per batch size from the cost model
+    tree: Any = None  # a tree shape (True: the default) the cost model may pick
+    auto_plan: bool = True  # False with a tree: every round drafts the tree
     request_timeout_s: float | None = None  # default per-request deadline
     page_size: int = 16
 
@@ -72,8 +75,13 @@ class Engine:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise Eagle3Error(f"request_timeout_s must be a positive number of seconds or None, got {t!r}")
         k = cfg.num_draft_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16):
-            raise Eagle3Error(f"num_draft_tokens must be an integer in 0..16 or None (auto), got {k!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k <= MAX_NUM_DRAFT_TOKENS):
+            raise Eagle3Error(f"num_draft_tokens must be an integer in 0..{MAX_NUM_DRAFT_TOKENS} or None "
+                              f"(auto), got {k!r}")
+        self.tree: TreeShape | None = parse_tree(cfg.tree)
+        if self.tree is not None and k is not None:
+            raise Eagle3Error("num_draft_tokens fixes a chain; with a tree, leave it None")
         self.speculate = cfg.speculate and spec.draft is not None and k != 0
         self.kmax = (k or AUTO_MAX_K) if self.speculate else 0
         self.max_model_len = spec.max_seq_len
@@ -81,11 +89,10 @@ class Engine:
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise Eagle3Error(f"max_kv_tokens must be a positive integer, got {cfg.max_kv_tokens!r}")
         self.pool = PagePool(-(-kv_tokens // cfg.page_size), cfg.page_size)
-        if spec.taps is not None:
-            spec.target.tap_layers = spec.taps
-        self.runner = BatchRunner(spec, self.pool, self.speculate)
-        self.auto = AutoK({}, max(self.kmax, 1))  # acceptance per draft position, over all requests
-        self.costs: BatchCosts | None = None
+        self.backend = PagedBackend(spec.target, spec.draft if self.speculate else None, spec.taps,
+                                    self.pool)
+        self.acceptance = Acceptance(max(self.kmax, 1))  # over all requests
+        self.costs: RoundCosts | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Condition()
@@ -94,10 +101,10 @@ class Engine:
         self.stopping = False
         self.ids = itertools.count(1)
         self.totals = dict.fromkeys(COUNTERS, 0)
-        self.totals_per_pos = [0] * self.kmax
-        self.totals_hist = [0] * (self.kmax + 1)
+        self.totals_per_pos: list[int] = []
+        self.totals_hist: list[int] = []
         self.outcomes = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
-        self.k_history: dict[int, dict[int, int]] = {}  # batch size -> {k: rounds}
+        self.k_history: dict[int, dict[Any, int]] = {}  # batch size -> {k or "tree": rounds}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, background: bool = True) -> Engine:
@@ -122,12 +129,46 @@ class Engine:
         while self.step() or self.waiting:
             pass
 
+    @property
+    def automatic(self) -> bool:
+        """Whether the cost model picks each round's plan."""
+        return (self.speculate and self.config.num_draft_tokens is None
+                and (self.tree is None or self.config.auto_plan))
+
+    @contextmanager
+    def _probe_rows(self, B: int, positions: int):
+        """B fake sequences with pages for `positions` positions (None when the pool is short)."""
+        pool = self.pool
+        if B * pool.pages_for(positions) > pool.num_pages - pool.reserved:
+            yield None
+            return
+        seqs = [Sequence(f"probe-{b}", [0], 1, frozenset()) for b in range(B)]
+        try:
+            for s in seqs:
+                pool.admit(s.id, positions)
+                pool.grow(s.id, positions)
+            yield seqs
+        finally:
+            for s in seqs:
+                pool.release(s.id)
+
+    @property
+    def _extra(self) -> int:
+        """Positions past a request's last token a round may write (drafts, tree scratch)."""
+        if not self.speculate:
+            return 0
+        extra = max(self.kmax, SAMPLING_K)
+        if self.tree is not None:
+            extra = max(extra, self.tree.total_tokens, self.tree.draft_slots)
+        return extra
+
     def prepare(self) -> None:
-        """Measure the batch costs once (needed before stepping with automatic K)."""
-        if self.speculate and self.config.num_draft_tokens is None and self.costs is None:
-            context = max(1, min(128, self.max_model_len // 2) - self.kmax - 2)
-            self.costs = BatchCosts.measure(self.runner, probe_batch_sizes(self.config.max_batch),
-                                            self.kmax, context)
+        """Measure the batch costs once (needed before stepping with an automatic plan)."""
+        if self.automatic and self.costs is None:
+            max_T = max(self.kmax, self.tree.total_tokens if self.tree is not None else 0) + 1
+            context = max(1, min(128, self.max_model_len // 2) - max_T - 2)
+            self.costs = RoundCosts.measure(self.backend, self._probe_rows,
+                                            probe_batch_sizes(self.config.max_batch), max_T, context)
             if not self.costs.verify:
                 raise Eagle3Error("the KV pool is too small to measure even one request's costs; "
                                   "raise max_kv_tokens or pass a fixed num_draft_tokens")
@@ -148,8 +189,7 @@ class Engine:
     @property
     def kv_bytes(self) -> int:
         """Memory held by the KV pool (target layers and the head's layer)."""
-        kvs = [self.runner.tkv] + ([self.runner.dkv] if self.runner.dkv is not None else [])
-        return sum(t.numel() * t.element_size() for kv in kvs for t in (*kv.k, *kv.v))
+        return self.backend.kv_bytes
 
     @property
     def is_running(self) -> bool:
@@ -164,25 +204,17 @@ class Engine:
         if not self.is_running:
             raise EngineError("the engine is not running (start it, or it is shutting down)", 503)
         cfg = self.spec.target.config
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
-            raise EngineError("the prompt must be a non-empty list of token ids")
-        if any(not 0 <= t < cfg.vocab_size for t in prompt_ids):
-            raise EngineError(f"prompt token ids must be in 0..{cfg.vocab_size - 1}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise EngineError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if len(prompt_ids) + max_tokens > self.max_model_len:
-            raise EngineError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                              f"model's context of {self.max_model_len} tokens; shorten the prompt or "
-                              "lower max_tokens")
-        try:
-            params = check_sampling(temperature, top_p, top_k, seed)
-            stop = check_stop_ids(stop_token_ids, cfg.eos_token_ids)
-        except Eagle3Error as e:
-            raise EngineError(str(e)) from None
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or timeout_s <= 0):
             raise EngineError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        try:  # the same checks as generate (`decoding.request`)
+            req = check_generation(prompt_ids, max_tokens, vocab_size=cfg.vocab_size,
+                                   max_len=self.max_model_len, eos_token_ids=cfg.eos_token_ids,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                   stop_token_ids=stop_token_ids)
+        except Eagle3Error as e:
+            raise EngineError(str(e).replace("max_new_tokens", "max_tokens")) from None
+        prompt_ids = req.prompt
         need = self._worst_case(len(prompt_ids), max_tokens)
         if self.pool.pages_for(need) > self.pool.num_pages:
             raise EngineError(f"the request needs {need} KV slots but the pool holds "
@@ -193,10 +225,15 @@ class Engine:
                 raise EngineError("the engine is shutting down", 503)
             if len(self.waiting) >= self.config.max_queue:
                 raise EngineError(f"too many requests waiting ({len(self.waiting)}); retry later", 429)
-            r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, params, stop, on_event,
+            r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, req.sampling,
+                        req.stop_ids, on_event,
                         timeout_s if timeout_s is not None else self.config.request_timeout_s)
-            r.accepted_per_pos = [0] * self.kmax
-            r.accept_len_hist = [0] * (self.kmax + 1)
+            sampler = None if req.sampling.greedy else Sampler(req.sampling, self.backend.device)
+            # Sampled requests under automatic plans draft a fixed chain, as generate does: their
+            # draws then never depend on timings or on the batch they share.
+            own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
+            r.seq = Sequence(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
+                             drafts=self.speculate, plan=own)
             self.waiting.append(r)
             self.lock.notify_all()
         return r
@@ -214,7 +251,8 @@ class Engine:
             self.lock.notify_all()
 
     def _worst_case(self, prompt_len: int, max_tokens: int) -> int:
-        return min(prompt_len + max_tokens + self.kmax + 1, self.max_model_len)
+        # The draft's speculative positions may run past max_model_len (the target's never do).
+        return prompt_len + max_tokens + self._extra + 1
 
     # -- the scheduler ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -239,42 +277,40 @@ class Engine:
         if not self.running:
             return False
         batch = list(self.running)
-        k = self._choose_k(batch)
+        plan = self._choose_plan(batch)
         try:
-            rows = run_round(self.runner, batch, k)
+            verdicts = run_round(self.backend, [r.seq for r in batch], plan)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
             notice(f"a batched round failed ({type(e).__name__}: {e}); failing its {len(batch)} requests")
             for r in batch:
                 self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
             return True
-        self.k_history.setdefault(len(batch), {}).setdefault(k, 0)
-        self.k_history[len(batch)][k] += 1
+        key = "tree" if plan.tree is not None else plan.k
+        self.k_history.setdefault(len(batch), {}).setdefault(key, 0)
+        self.k_history[len(batch)][key] += 1
         now = time.perf_counter()
-        for row in rows:
-            r = row.req
-            if row.error is not None:  # this request's own handling failed: it alone fails
-                self._finish(r, RequestState.FAILED, "error", error=row.error)
+        for r, v in zip(batch, verdicts, strict=True):
+            if v.error is not None:  # this request's own handling failed: it alone fails
+                self._finish(r, RequestState.FAILED, "error", error=v.error)
                 continue
-            if row.drafted:
-                self.auto.record(row.drafted, row.accepted)
-            if row.new:
+            if v.depths:
+                self.acceptance.record(len(v.depths), len(v.path), tree=plan.tree is not None)
+            if v.new:
                 r.last_token_at = now
-            if row.done:
-                self._finish(r, RequestState.FINISHED, self._reason(r), row.new)
-            elif row.new:
-                self._emit(r, row.new)
+            if v.done:
+                self._finish(r, RequestState.FINISHED, self._reason(r), v.new)
+            elif v.new:
+                self._emit(r, v.new)
         return True
 
-    def _choose_k(self, batch: list[Request]) -> int:
-        greedy = [r for r in batch if r.sampler is None]
-        if not self.speculate or not greedy:
-            return 0
-        room = max(r.max_tokens - len(r.token_ids) - 1 for r in greedy)
+    def _choose_plan(self, batch: list[Request]) -> Plan:
+        if not self.speculate:
+            return Plan()
         if self.config.num_draft_tokens is not None:
-            k = self.config.num_draft_tokens
-        else:
-            k = self.costs.best_k(len(batch), self.auto, self.kmax, greedy=len(greedy))
-        return max(0, min(k, room))
+            return Plan(self.config.num_draft_tokens)
+        if not self.automatic:
+            return Plan(tree=self.tree)
+        return choose_plan(self.costs, self.acceptance, len(batch), self.kmax, self.tree)
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:
@@ -297,29 +333,13 @@ class Engine:
                              error=f"prefill failed: {type(e).__name__}: {e}")
                 continue
             r.first_token_at = r.last_token_at = time.perf_counter()
-            if first in r.stop_ids or r.max_tokens == 1:
+            if r.seq.done:
                 self._finish(r, RequestState.FINISHED, self._reason(r), [first])
             else:
                 self._emit(r, [first])
 
-    @torch.no_grad()
     def _prefill(self, r: Request) -> int:
-        n = len(r.prompt_ids)
-        self.pool.grow(r.id, n)
-        prompt = torch.tensor([r.prompt_ids])
-        logits, taps = self.runner.target_forward([r.id], [0], prompt, last_only=True)
-        if not r.params.greedy:
-            r.sampler = Sampler(r.params)
-            first = int(r.sampler.sample(r.sampler.probs(logits[0, -1])))
-        else:
-            first = int(logits[0, -1].argmax())
-        r.token_ids.append(first)
-        r.target_len = n
-        drafts = self.runner.draft is not None and r.sampler is None  # sampled requests never draft
-        if drafts and first not in r.stop_ids and r.max_tokens > 1:
-            r.pending_ids, r.pending_feats = [*r.prompt_ids[1:], first], [taps[0]]
-            self.runner.catch_up_rows([r])
-        return first
+        return prefill(self.backend, r.seq)
 
     def _emit(self, r: Request, new: list[int]) -> None:
         if r.on_event is None:
@@ -359,7 +379,8 @@ class Engine:
             self.pool.release(r.id)
             r.state, r.finish_reason, r.error = state, reason, error
             r.finished_at = time.perf_counter()
-            r.pending_ids, r.pending_feats, r.boundary = [], [], None
+            if r.seq is not None:  # drop the tensors it holds
+                r.seq.pending_ids, r.seq.pending_feats, r.seq.root, r.seq.boundary = [], [], None, None
             key = {RequestState.FINISHED: "requests_finished", RequestState.ABORTED: "requests_aborted",
                    RequestState.FAILED: "requests_failed"}[state]
             self.outcomes[key] += 1
@@ -368,10 +389,8 @@ class Engine:
                 m["prompt_tokens"] = 0
             for c in COUNTERS:
                 self.totals[c] += m[c]
-            for i, n in enumerate(r.accepted_per_pos):
-                self.totals_per_pos[i] += n
-            for i, n in enumerate(r.accept_len_hist):
-                self.totals_hist[i] += n
+            add_into(self.totals_per_pos, m["spec_decode_num_accepted_tokens_per_pos"])
+            add_into(self.totals_hist, m["accept_len_hist"])
         if r.on_event is not None:
             try:
                 r.on_event(r, list(new or []), True)
@@ -389,10 +408,8 @@ class Engine:
                 m = r.metrics
                 for c in COUNTERS:
                     out[c] += m[c]
-                for i, n in enumerate(r.accepted_per_pos):
-                    per_pos[i] += n
-                for i, n in enumerate(r.accept_len_hist):
-                    hist[i] += n
+                add_into(per_pos, m["spec_decode_num_accepted_tokens_per_pos"])
+                add_into(hist, m["accept_len_hist"])
             out["spec_decode_num_accepted_tokens_per_pos"] = per_pos
             out["accept_len_hist"] = hist
             drafts = out["spec_decode_num_drafts"]
@@ -407,20 +424,17 @@ class Engine:
         return out
 
 
+def add_into(total: list[int], counts: list[int]) -> None:
+    """total += counts elementwise, growing total as needed."""
+    total.extend([0] * (len(counts) - len(total)))
+    for i, n in enumerate(counts):
+        total[i] += n
+
+
 def check_engine_target(spec: Any) -> None:
-    """The engine runs eager native targets with full attention; refuse the rest in one line."""
+    """The engine runs eager native targets; refuse the rest in one line."""
     from ..targets.decoder import NativeTarget
 
-    if type(spec).__name__ == "ExecutorchSpeculator":
-        raise Eagle3Error("the engine runs the eager backend; serve an exported program is not supported "
-                          "yet (load without backend='executorch')")
     if not isinstance(spec.target, NativeTarget):
         raise Eagle3Error("the engine needs a native target (backend 'native' or 'auto'); the transformers "
-                          "adapter has no batched paged cache")
-    if spec.target.embedding_weight.device.type != "cpu":
-        raise Eagle3Error("the engine runs on the CPU for now (its index tensors live there); load the "
-                          "target on the CPU")
-    cfg = spec.target.config
-    if any(w is not None for w in cfg.layer_windows):
-        raise Eagle3Error(f"the engine does not support sliding-window attention yet ({cfg.architecture}); "
-                          "use eagle3 generate for this model")
+                          "adapter has no batched paged cache, and an exported program holds its own caches")

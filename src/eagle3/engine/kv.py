@@ -23,8 +23,11 @@ returns them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..decoding.backend import Layout, region_mask
 from ..errors import Eagle3Error
 from ..targets.decoder import slots_upto
 
@@ -128,6 +131,12 @@ class PagedKV:
         return keys, values
 
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots `src` (N,) to slots `dst` (N,)."""
+        for layer_kv in (*self.k, *self.v):
+            layer_kv.index_copy_(0, dst, layer_kv.index_select(0, src))
+
+
 def read_table(pool: PagePool, rids: list[str]) -> torch.Tensor:
     """(B, S) slot ids of positions 0..S-1 per row, S = the longest row's allocation; trash past a row's."""
     slots = [pool.slots[rid] for rid in rids]
@@ -138,22 +147,101 @@ def read_table(pool: PagePool, rids: list[str]) -> torch.Tensor:
     return table
 
 
-def batch_layout(table: torch.Tensor, trash: int, starts: list[int], counts: list[int] | None, T: int,
-                 max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slots, positions and mask for rows writing `counts[b]` valid tokens (of T) at `starts[b]`.
+def place(table: torch.Tensor, trash: int, layout: Layout, T: int,
+          device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Slots, positions and masks of a `Layout` over rows whose slots are `table` (B, S_alloc).
 
-    `table` is `read_table` of the rows. Returns write_slots (B, T), read_slots (B, S),
-    rope positions (B, T) and the attention mask (B, 1, T, S). A token is valid when
-    t < counts[b] and its position < S (the longest allocation, < max_len); invalid ones
-    write to the trash slot and take position 0. Callers write valid tokens only at
-    positions their row has pages for (`PagePool.grow` first).
+    Returns write slots (B, T), read slots (B, S), RoPE positions (B, T), the attention
+    mask (B, 1, T, S) and the keys' RoPE positions (B, S). A token is valid when
+    t < counts[b]; invalid ones write to the trash slot, take position 0 and see
+    position 0 (a query that sees nothing would make NaNs that the trash then holds).
+    Callers write valid tokens only at positions their row has pages for.
     """
-    S = min(max(starts) + T, max_len, table.shape[1])  # rows only ever write allocated positions
-    read = table[:, :S]
-    pos = torch.tensor(starts)[:, None] + slots_upto(T)[None, :]  # (B, T)
+    B = len(layout.starts)
+    R = layout.span
+    starts = torch.tensor(layout.starts, device=device)[:, None]  # (B, 1)
+    S = min(max(layout.starts) + R, table.shape[1])
+    read = table[:, :S].to(device)
+    pos = starts + layout.offsets[None, :]  # (B, T)
     valid = pos < S
-    if counts is not None:
-        valid &= slots_upto(T)[None, :] < torch.tensor(counts)[:, None]
+    if layout.counts is not None:
+        valid &= slots_upto(T, device)[None, :] < torch.tensor(layout.counts, device=device)[:, None]
     write = read.gather(1, pos.clamp(max=S - 1)).masked_fill(~valid, trash)
-    mask = slots_upto(S)[None, None, :] <= pos[:, :, None]  # (B, T, S)
-    return write, read, pos.masked_fill(~valid, 0), mask[:, None]
+    j = slots_upto(S, device)[None, None, :] - starts[:, :, None]  # (B, 1, S): key offset from start
+    region = region_mask(layout, T, device)  # (B, T, R)
+    in_region = (j >= 0) & (j < R)
+    seen = region.gather(2, j.clamp(0, R - 1).expand(B, T, S)) & in_region
+    mask = (j < 0) | seen | (~valid[:, :, None] & (j == -starts[:, :, None]))  # (B, T, S)
+    rope = starts + (layout.offsets[None, :] if layout.rope is None else layout.rope)
+    rp = layout.region_pos if layout.region_pos is not None else slots_upto(R, device)[None].expand(B, R)
+    key_pos = torch.where(j[:, 0] < 0, j[:, 0] + starts,
+                          starts + rp.gather(1, j[:, 0].clamp(0, R - 1)))  # (B, S)
+    return write, read, rope.masked_fill(~valid, 0), mask[:, None], key_pos
+
+
+class PagedBackend:
+    """Many sequences over one page pool: the engine's target and draft forwards.
+
+    Sequences are named by their `id`; their pages come from `pool` (`PagePool.grow`
+    through `reserve`). Target and head keep their K/V in two `PagedKV`s indexed by the
+    same slots.
+    """
+
+    def __init__(self, target: Any, draft: Any, taps: tuple[int, ...] | None, pool: PagePool) -> None:
+        cfg = target.config
+        w = target.embedding_weight
+        self.target_model, self.draft_model, self.taps, self.pool = target, draft, taps, pool
+        self.max_len = cfg.max_seq_len
+        self.device = w.device
+        self.has_draft = draft is not None
+        self.vocab_size = target.config.vocab_size
+        self.tkv = PagedKV(cfg.num_hidden_layers, pool.total_tokens, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype=w.dtype, device=w.device)
+        self.dkv = None
+        if draft is not None:
+            dc = draft.config
+            self.dkv = PagedKV(1, pool.total_tokens, dc.num_key_value_heads, dc.head_dim,
+                               dtype=draft.fc.weight.dtype, device=w.device)
+        self._table, self._table_key = None, None
+        self.supports_trees = True
+
+    def _place(self, seqs: list[Any], layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
+        rids = [s.id for s in seqs]
+        key = (tuple(rids), self.pool.version)
+        if self._table_key != key:  # read tables cached until the rows or their pages change
+            self._table, self._table_key = read_table(self.pool, rids), key
+        return place(self._table, self.pool.trash, layout, T, self.device)
+
+    def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
+               with_features: bool = True,
+               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        write, read, rope, mask, key_pos = self._place(seqs, layout, tokens.shape[1])
+        self.tkv.prepare(read)
+        logits, taps = self.target_model.forward_logits_taps(
+            tokens, write, self.tkv, attn_mask=mask, rope_pos=rope, key_pos=key_pos,
+            key_slots=slots_upto(read.shape[1], self.device), last_only=last_only,
+            with_taps=with_features and self.has_draft, taps=self.taps)
+        return logits, (self.draft_model.fuse(taps) if taps is not None else None)
+
+    def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
+              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        write, read, rope, mask, _ = self._place(seqs, layout, tokens.shape[1])
+        self.dkv.prepare(read)
+        return self.draft_model(tokens, features, write, self.dkv, attn_mask=mask, rope_pos=rope,
+                                key_slots=slots_upto(read.shape[1], self.device))
+
+    def compact(self, seq: Any, src: list[int], dst: int) -> None:
+        slots = self.pool.slots[seq.id]
+        self.tkv.move(slots[torch.tensor(src)].to(self.device),
+                      slots[dst:dst + len(src)].to(self.device))
+
+    def reserve(self, seq: Any, n_positions: int) -> None:
+        self.pool.grow(seq.id, n_positions)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_model.to_target_ids(draft_ids)
+
+    @property
+    def kv_bytes(self) -> int:
+        kvs = [self.tkv] + ([self.dkv] if self.dkv is not None else [])
+        return sum(t.numel() * t.element_size() for kv in kvs for t in (*kv.k, *kv.v))

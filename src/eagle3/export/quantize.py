@@ -49,7 +49,7 @@ def quantize_weights(spec: Any, mode: str) -> dict[str, float]:
     """Quantize `spec`'s target and head linears in place; returns the measured logit error."""
     from torchao.quantization import quantize_
 
-    from ..decoding.plain import plain_greedy
+    from ..speculator import Eagle3Speculator
 
     config = _config(mode)
     target = spec.target
@@ -62,7 +62,8 @@ def quantize_weights(spec: Any, mode: str) -> dict[str, float]:
     room = target.config.max_seq_len  # the probe fits the loaded cache and RoPE table
     n_prompt = min(PROBE_PROMPT, max(1, room // 4))
     prompt = torch.randint(0, target.config.vocab_size, (n_prompt,), generator=gen).tolist()
-    new, _ = plain_greedy(target, prompt, min(PROBE_NEW, room - n_prompt), frozenset())
+    new = Eagle3Speculator(target).generate(prompt, min(PROBE_NEW, room - n_prompt),
+                                            stop_token_ids=[]).token_ids
     ids = torch.tensor([prompt + new])
     before = _probe_logits(target, ids)
     quantize_(target, config)

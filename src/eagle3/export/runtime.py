@@ -1,11 +1,13 @@
-"""The `executorch` backend: the shifted runner over an exported program's methods.
+"""The `executorch` backend: the speculative round over an exported program's methods.
 
-`ExecutorchSpeculator` is an `Eagle3Speculator` whose four contract methods call the
-program (`executorch.runtime`) instead of PyTorch modules; the decoding loops
-(`decoding.chain`, `decoding.plain`) are the same code as the eager backend's. The
-program owns the KV caches; the runner keeps one `kv.SlotBook` per cache to check
-that every call writes contiguous slots (the exported attention is causal from its
-first position) and to rewind after a verify.
+`ProgramBackend` implements `decoding.backend.Backend` with the program's methods
+(`executorch.runtime`), so `generate` runs the same round (`decoding.round`) as the
+eager backend. The program owns the KV caches and returns token ids rather than
+logits: the backend hands them to the round as one-hot scores, so greedy acceptance
+reads them unchanged. `ExecutorchSpeculator` is an `Eagle3Speculator` over that
+backend whose four contract methods call the program too, with one `kv.SlotBook`
+per cache checking that every call writes contiguous slots (the exported attention
+is causal from its first position).
 
 Greedy plain decoding and greedy chain drafting run here; trees (the exported
 verify takes no tree mask), sampling (the methods return ids, not logits) and
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..decoding.backend import Layout
 from ..errors import Eagle3Error, notice
 from ..kv import SlotBook
 from ..speculator import Eagle3Speculator, GenerationResult
@@ -44,6 +47,9 @@ class ProgramTarget:
         self.tap_layers = tuple(meta["taps"])
         self.embedding_weight = torch.empty(0)  # device probe: the program runs on the CPU
 
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
+        return SlotBook(max_len or self.config.max_seq_len)
+
     def truncate_cache(self, cache: SlotBook, length: int) -> None:
         cache.truncate(length)
 
@@ -59,6 +65,67 @@ class ProgramHead:
     def __init__(self, meta: dict[str, Any]) -> None:
         self.config = ProgramHeadConfig(meta["draft_vocab_size"])
         self.embed_tokens = True  # the program's head shares the target's table
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
+        return SlotBook(max_len)
+
+
+class ProgramBackend:
+    """`decoding.backend.Backend` over a program's methods: one sequence, chains, greedy."""
+
+    def __init__(self, methods: dict[str, Any], meta: dict[str, Any], speculate: bool) -> None:
+        self.methods = methods
+        self.device = torch.device("cpu")
+        self.max_len = meta["max_seq_len"]
+        self.vocab_size = meta["vocab_size"]
+        self.max_draft_tokens = meta["max_draft_tokens"]
+        self.has_draft = speculate
+        self.supports_trees = False
+        self.target_cache = SlotBook(self.max_len)  # the contract methods' checks
+        self.draft_cache = SlotBook(self.max_len) if speculate else None
+
+    def run(self, name: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return self.methods[name].execute([x.contiguous() for x in inputs])
+
+    def _positions(self, layout: Layout, T: int) -> torch.Tensor:
+        if not layout.causal or len(layout.starts) != 1:
+            raise Eagle3Error("an exported program takes one sequence at consecutive positions; "
+                              "trees and batches need the eager backend")
+        return torch.arange(layout.starts[0], layout.starts[0] + T)
+
+    def _scores(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (1, T) as one-hot scores (1, T, V): the round takes their argmax."""
+        return torch.nn.functional.one_hot(ids.view(1, -1), self.vocab_size).float()
+
+    def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
+               with_features: bool = True,
+               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = tokens.shape[1]
+        pos = self._positions(layout, T)
+        if T > self.max_draft_tokens + 1 and not last_only:
+            raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
+                              f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
+        if T == 1 and not with_features:  # plain decoding
+            return self._scores(self.run("plain_decode", tokens, pos)[0]), None
+        name = "decode" if T == 1 else "prefill" if last_only else "target_verify"
+        ids, feature = self.run(name, tokens, pos)
+        return self._scores(ids), feature
+
+    def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
+              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        T = tokens.shape[1]
+        ids, h = self.run("draft_step" if T == 1 else "draft_decode", tokens, features,
+                          self._positions(layout, T))
+        return self._scores(ids), h
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids  # the draft's scores are over target ids already
+
+    def compact(self, seq: Any, src: list[int], dst: int) -> None:
+        raise Eagle3Error("an exported program verifies chains only")
+
+    def reserve(self, seq: Any, n_positions: int) -> None:
+        pass
 
 
 def read_metadata(program_dir: str) -> dict[str, Any]:
@@ -120,24 +187,12 @@ class ExecutorchSpeculator(Eagle3Speculator):
                    "for identical output")
         self.program_dir = program_dir
         super().__init__(ProgramTarget(self.meta), ProgramHead(self.meta) if speculate else None,
-                         tokenizer)
+                         tokenizer, backend=ProgramBackend(self.methods, self.meta, speculate))
         self.taps = None  # fixed inside the program
-
-    # -- state -------------------------------------------------------------------------------------
-    def reset_caches(self) -> None:
-        if self.target_cache is None:
-            self.target_cache = SlotBook(self.max_seq_len)
-            self.draft_cache = SlotBook(self.max_seq_len)
-        self.target_cache.truncate(0)
-        self.draft_cache.truncate(0)
 
     @property
     def max_draft_tokens(self) -> int:
         return self.meta["max_draft_tokens"]
-
-    @property
-    def max_auto_k(self) -> int:
-        return min(super().max_auto_k, self.max_draft_tokens)
 
     def plain(self) -> ExecutorchSpeculator:
         return ExecutorchSpeculator(self.program_dir, self.tokenizer, speculate=False,
@@ -147,7 +202,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
         raise Eagle3Error("compile applies to the eager backend; an ExecuTorch program is already "
                           "lowered (drop compile or use backend='native')")
 
-    # -- the steps, through the program -------------------------------------------------------------
+    # -- the ExecuTorch contract, through the program ----------------------------------------------
     @staticmethod
     def _claim(book: SlotBook, input_pos: torch.Tensor, T: int) -> None:
         """The exported attention is causal from input_pos[0]: positions must be consecutive."""
@@ -156,37 +211,44 @@ class ExecutorchSpeculator(Eagle3Speculator):
                               "tree-shaped or gapped input_pos needs the eager backend")
         book.claim(int(input_pos[0]), T)
 
-    def _run(self, name: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        return self.methods[name].execute([x.contiguous() for x in inputs])
-
-    def _target(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None, *,
-                with_taps: bool = True, last_only: bool = False,
-                compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self._caches()
+    def _call_target(self, tokens: torch.Tensor, input_pos: torch.Tensor, name: str):
         T = tokens.shape[1]
-        if T > self.max_draft_tokens + 1 and not last_only:
+        if name == "target_verify" and T > self.max_draft_tokens + 1:
             raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
                               f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
         self._claim(self.target_cache, input_pos, T)
-        if T == 1 and not with_taps:  # plain decoding
-            return self._run("plain_decode", tokens, input_pos)[0].view(1, 1), None
-        if T == 1:
-            tok, feature = self._run("decode", tokens, input_pos)
-            return tok.view(1, 1), feature
-        if last_only:
-            tok, feature = self._run("prefill", tokens, input_pos)
-            return tok.view(1, 1), feature
-        ids, feature = self._run("target_verify", tokens, input_pos)
-        return ids, feature
+        if T == 1 and name != "target_verify":
+            name = "decode" if self.draft is not None else "plain_decode"
+        out = self.backend.run(name, tokens, input_pos)
+        return out[0], (out[1] if len(out) > 1 else None)
 
-    def _draft(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
-               kv_len: int | None, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, feature = self._call_target(tokens, input_pos, "prefill")
+        return ids.view(-1)[-1:], feature
+
+    @torch.no_grad()
+    def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, feature = self._call_target(tokens, input_pos, "target_verify")
+        return ids.view(1, -1), feature
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
+               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, feature = self._call_target(tokens, input_pos, "decode")
+        return ids.view(-1), feature
+
+    @torch.no_grad()
+    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, *,
+                     kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.draft is None:
             raise Eagle3Error("this speculator has no draft head (plain decoding)")
-        self._caches()
         T = tokens.shape[1]
         self._claim(self.draft_cache, input_pos, T)
-        return self._run("draft_step" if T == 1 else "draft_decode", tokens, feature, input_pos)
+        ids, h = self.backend.run("draft_step" if T == 1 else "draft_decode", tokens, feature, input_pos)
+        return ids.view(1, -1), h
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,

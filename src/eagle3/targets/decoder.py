@@ -293,6 +293,7 @@ class NativeTarget(nn.Module):
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
                             with_taps: bool = True, key_slots: torch.Tensor | None = None,
                             key_pos: torch.Tensor | None = None,
+                            taps: tuple[int, ...] | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments.
 
@@ -300,8 +301,10 @@ class NativeTarget(nn.Module):
         length can be marked dynamic, so one compiled graph serves every cache length.
         `key_pos` (kv_len,): the positions of the keys in those slots, for sliding windows
         (default: the slots themselves; a tree's node slots run ahead of their positions).
-        The engine (`engine/step.py`) calls this with per-row (B, T) write slots as
-        `input_pos`, (B, T) `rope_pos`, a (B, 1, T, S) `attn_mask` and its paged cache.
+        `taps`: the layers to tap (default `tap_layers`), so speculators sharing one target
+        never change its state. The engine's paged backend (`engine/kv.py`) calls this with
+        per-row (B, T) write slots as `input_pos`, (B, T) `rope_pos`, a (B, 1, T, S)
+        `attn_mask`, (B, S) `key_pos` and its paged cache.
         """
         if key_slots is None:
             key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
@@ -312,16 +315,19 @@ class NativeTarget(nn.Module):
         rp = input_pos if rope_pos is None else rope_pos
         # One (T, S) mask per distinct window; True = may attend. Windows compare positions,
         # not slots: a tree node's slot runs ahead of its position.
-        kp = (key_slots if key_pos is None else key_pos)[None, :]
+        kp = key_slots if key_pos is None else key_pos
         masks = []
         for w in self.windows:
             m = key_slots[None, :] <= input_pos[:, None] if attn_mask is None else attn_mask
             if w is not None:
-                m = m & (kp > rp[:, None] - w)
+                if rp.dim() == 2:  # per-row positions (B, T), keys (B, S): (B, 1, T, S)
+                    m = m & (kp[:, None, None, :] > rp[:, None, :, None] - w)
+                else:
+                    m = m & (kp[None, :] > rp[:, None] - w)
             masks.append(m)
         rot = [r(rp, h.dtype) for r in self.ropes]
 
-        want = set(self.tap_layers) if with_taps else set()
+        want = set(self.tap_layers if taps is None else taps) if with_taps else set()
         taps = []
         for i, layer in enumerate(self.model.layers):
             if i in want:

@@ -104,7 +104,8 @@ class HFTarget:
     def forward_logits_taps(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: HFCache,
                             *, kv_len: int | None = None, attn_mask: torch.Tensor | None = None,
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
-                            with_taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            with_taps: bool = True,
+                            taps: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if attn_mask is not None:
             raise Eagle3Error("the transformers adapter does not take a custom attention mask "
                               "(tree verification); use a native target")
@@ -120,10 +121,9 @@ class HFTarget:
                          past_key_values=cache.cache, use_cache=True,
                          output_hidden_states=with_taps, logits_to_keep=1 if last_only else 0)
         cache.length = cache.cache.get_seq_length()
-        taps = None
         if with_taps:
-            taps = torch.cat([out.hidden_states[k] for k in self.tap_layers], dim=-1)
-        return out.logits, taps
+            return out.logits, torch.cat([out.hidden_states[k] for k in taps or self.tap_layers], dim=-1)
+        return out.logits, None
 
     forward = forward_logits_taps
     __call__ = forward_logits_taps

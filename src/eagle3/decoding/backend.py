@@ -1,0 +1,222 @@
+"""What a speculative round needs from the models, and the batch-1 backend behind `generate`.
+
+A round (`decoding.round`) asks a backend for two forwards and one cache edit:
+
+    target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), features (B, T, H) | None
+    draft(seqs, tokens (B, T), feats, layout)      -> draft logits (B, T, Vd), next features (B, T, H)
+    compact(seq, src positions, dst)              -> the target K/V of an accepted tree path moved
+                                                     to contiguous positions
+
+`Layout` says where each row's T tokens go and what they may see, in positions of
+that row's own sequence, so one description serves a chain, a tree, a sampled
+chain, a ragged batch and a sliding-window target. Rewinding is bookkeeping the
+round keeps (each sequence's `target_len` / `draft_len`): attention only reads
+positions below a query's, and later writes overwrite the rest.
+
+Backends: `StaticBackend` (one sequence, the preallocated `kv.StaticKVCache`s;
+`compile()` swaps its two step functions for `torch.compile`d ones), the engine's
+`engine.kv.PagedBackend` (many sequences over a page pool) and the exported
+program's `export.runtime.ProgramBackend`. Every tensor a backend builds lives on
+its `device`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import Eagle3Error
+from ..targets.decoder import slots_upto
+
+# One compiled graph per (step, T, flags); dynamo's default limit (8) would make a
+# fullgraph compile raise in the middle of a generation.
+RECOMPILE_LIMIT = 256
+
+
+@dataclass
+class Layout:
+    """T tokens per row written at positions `starts[b] + offsets`.
+
+    region (B, T, R) bool: which of the row's positions starts[b] .. starts[b]+R-1 each
+    query sees (besides every position before starts[b]); None = causal over the T
+    tokens themselves (R = T). rope (B, T): RoPE positions relative to starts (None =
+    offsets). region_pos (B, R): the relative RoPE positions of the region's keys, for
+    sliding windows (None = 0..R-1). counts: valid tokens per row (None = all T); the
+    rest are padding whose outputs are ignored.
+    """
+
+    starts: list[int]
+    offsets: torch.Tensor  # (T,)
+    region: torch.Tensor | None = None
+    rope: torch.Tensor | None = None
+    region_pos: torch.Tensor | None = None
+    counts: list[int] | None = None
+
+    @property
+    def span(self) -> int:
+        """R: how many positions from each row's start this forward may touch."""
+        if self.region is not None:
+            return self.region.shape[-1]
+        return int(self.offsets[-1]) + 1 if self.offsets.numel() else 0
+
+    @property
+    def causal(self) -> bool:
+        return self.region is None and self.rope is None
+
+
+def causal_layout(starts: list[int], T: int, counts: list[int] | None = None,
+                  device: torch.device | str = "cpu") -> Layout:
+    """T consecutive tokens per row from its start (prefill, chain verify, catch-up, chain step)."""
+    return Layout(starts, slots_upto(T, device), counts=counts)
+
+
+class Backend(Protocol):
+    """The models and caches a round runs on (see the module docstring)."""
+
+    device: torch.device
+    max_len: int
+    has_draft: bool
+
+    def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
+               with_features: bool = True,
+               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
+              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def compact(self, seq: Any, src: list[int], dst: int) -> None: ...
+
+    def reserve(self, seq: Any, n_positions: int) -> None: ...
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def region_mask(layout: Layout, T: int, device: torch.device) -> torch.Tensor:
+    """(B, T, R) region mask, causal when the layout has none."""
+    if layout.region is not None:
+        return layout.region
+    ar = slots_upto(T, device)
+    return (ar[None, :] <= ar[:, None])[None].expand(len(layout.starts), T, T)
+
+
+class StaticBackend:
+    """One sequence on a target and head with preallocated static caches (batch 1).
+
+    The target cache holds max_seq_len positions; the draft cache has room past it for a
+    tree's scratch nodes (`scratch` slots), allocated once so compiled steps keep their shapes.
+    """
+
+    def __init__(self, target: Any, draft: Any = None, taps: tuple[int, ...] | None = None,
+                 scratch: int = 0) -> None:
+        self.target_model, self.draft_model, self.taps = target, draft, taps
+        self.max_len = target.config.max_seq_len
+        w = getattr(target, "embedding_weight", None)
+        self.device = w.device if w is not None else torch.device("cpu")
+        self.has_draft = draft is not None
+        self.vocab_size = target.config.vocab_size
+        self.target_cache = target.new_cache(1, self.max_len)
+        self.draft_cache = draft.new_cache(1, self.max_len + scratch) if draft is not None else None
+        self._target_step = self._eager_target
+        self._draft_step = self._eager_draft
+        self.compiled = False
+
+    # -- the two step functions (swapped by compile) --------------------------------------------
+    def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
+                      mask: torch.Tensor | None, rope_pos: torch.Tensor | None,
+                      key_pos: torch.Tensor | None, with_features: bool,
+                      last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs: dict[str, Any] = {"kv_len": key_slots.shape[0], "last_only": last_only,
+                                  "with_taps": with_features and self.has_draft}
+        if self.taps is not None:
+            kwargs["taps"] = self.taps
+        if mask is not None:  # a tree: the transformers adapter never gets here
+            kwargs.update(key_slots=key_slots, attn_mask=mask, rope_pos=rope_pos, key_pos=key_pos)
+        elif self.compiled:
+            kwargs["key_slots"] = key_slots
+        logits, taps = self.target_model.forward_logits_taps(tokens, slots, self.target_cache, **kwargs)
+        return logits, (self.draft_model.fuse(taps) if taps is not None else None)
+
+    def _eager_draft(self, tokens: torch.Tensor, features: torch.Tensor, slots: torch.Tensor,
+                     key_slots: torch.Tensor, mask: torch.Tensor | None,
+                     rope_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.draft_model(tokens, features, slots, self.draft_cache, key_slots=key_slots,
+                                attn_mask=mask, rope_pos=rope_pos)
+
+    def compile(self) -> StaticBackend:
+        """Run both steps through `torch.compile` (fullgraph; one graph per T and flags, the
+        attended length dynamic). Native targets only."""
+        from ..targets.decoder import NativeTarget
+
+        if not isinstance(self.target_model, NativeTarget):
+            raise Eagle3Error("compile needs the native backend (this target runs through "
+                              "transformers); load with backend='native' or drop compile")
+        cfg = torch._dynamo.config
+        cfg.cache_size_limit = max(cfg.cache_size_limit, RECOMPILE_LIMIT)
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
+        target = torch.compile(self._eager_target, fullgraph=True)
+        draft = torch.compile(self._eager_draft, fullgraph=True)
+        self.compiled = True
+        self._target_step = lambda *a: target(*_dense(a[:6], {2: 0, 3: 1, 5: 0}), *a[6:])
+        self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
+        return self
+
+    # -- the Backend protocol -------------------------------------------------------------------
+    def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
+        """slots (T,), key_slots (S,), mask (T, S) | None, rope (T,) | None, key_pos (S,) | None."""
+        start, dev = layout.starts[0], self.device
+        slots = start + layout.offsets
+        S = start + layout.span
+        key_slots = slots_upto(S, dev)
+        if layout.causal:
+            return slots, key_slots, None, None, None
+        region = region_mask(layout, T, dev)[0]  # (T, R)
+        mask = torch.cat([region.new_ones(T, start), region], dim=1)
+        rope = start + (layout.offsets if layout.rope is None else layout.rope[0])
+        key_pos = None
+        if layout.region_pos is not None:
+            key_pos = torch.cat([slots_upto(start, dev), start + layout.region_pos[0]])
+        return slots, key_slots, mask, rope, key_pos
+
+    def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
+               with_features: bool = True,
+               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = tokens.shape[1]
+        # A prompt's forward (last_only over T > 1) stays eager: one graph per prompt length
+        # would recompile for every new prompt.
+        step = self._eager_target if last_only and T > 1 else self._target_step
+        return step(tokens, *self._place(layout, T), with_features, last_only)
+
+    def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
+              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, key_slots, mask, rope, _ = self._place(layout, tokens.shape[1])
+        step = self._eager_draft if prompt else self._draft_step  # the prompt's catch-up: eager
+        return step(tokens, features, slots, key_slots, mask, rope)
+
+    def compact(self, seq: Any, src: list[int], dst: int) -> None:
+        self.target_model.compact_cache(self.target_cache, torch.tensor(src, device=self.device), dst)
+
+    def reserve(self, seq: Any, n_positions: int) -> None:
+        pass  # preallocated
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_model.to_target_ids(draft_ids)
+
+    @property
+    def supports_trees(self) -> bool:
+        return hasattr(self.target_model, "compact_cache")
+
+
+def _dense(tensors: tuple, dynamic: dict[int, int]) -> list:
+    """Dense copies, the attended-length axis (argument index -> dim) marked dynamic: slices of
+    one buffer differ in strides and offsets, and each difference would fail a guard and
+    compile the step again; one graph then serves every cache length."""
+    out = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            t = t.clone(memory_format=torch.contiguous_format)
+            if i in dynamic:
+                torch._dynamo.maybe_mark_dynamic(t, dynamic[i])
+        out.append(t)
+    return out

@@ -1,0 +1,235 @@
+"""The cost model: what a round costs at a batch size, what it yields, and the plan to run.
+
+Speculation pays when verifying K+1 tokens per row costs little more than one,
+which holds for small batches and fades as the batch (B rows x T tokens) fills the
+matmuls. `RoundCosts.measure` times a backend's own forwards on this machine, for a
+few batch sizes (1 for `generate`): a target forward over T tokens per row and a
+draft forward over T tokens per row. A round then costs
+
+    chain of K   verify(B, K+1) + draft(B, K+1) (catch-up) + (K-1) draft(B, 1)
+    tree         verify(B, N+1) + draft(B, depth+1) + (depth-1) draft(B, top_k)
+    plain        verify(B, 1)
+
+and yields tau tokens per row: for a chain, tau(K) = 1 + sum_j prod_{i<j} q_i from the
+per-position acceptance rates q_i that `Acceptance` counts (shrunk towards the previous
+position's rate, position 0 towards a prior of 0.8, where data is thin); for a tree, its
+running mean tokens per round. `choose_plan` picks the plan with the most tokens per
+second, plain decoding included, so a batch where speculation would not pay decodes plainly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from .backend import Backend, causal_layout
+from .round import Plan, Sequence
+from .tree import TreeShape
+
+AUTO_MAX_K = 8
+PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0
+REPICK_EVERY = 8  # rounds between choices within one generation
+
+
+class Acceptance:
+    """Per-position chain acceptance counts and tree tokens per round, over many rounds."""
+
+    def __init__(self, max_k: int = AUTO_MAX_K) -> None:
+        self.max_k = max_k
+        self.reached = [0] * max_k  # rounds that drafted position i after accepting 0..i-1
+        self.accepted = [0] * max_k  # ... and accepted it too
+        self.tree_rounds, self.tree_tokens = 0, 0
+
+    def record(self, k: int, accepted: int, tree: bool = False) -> None:
+        """One round: k drafts (a chain) or a tree, the first `accepted` of them accepted."""
+        if tree:
+            self.tree_rounds += 1
+            self.tree_tokens += accepted + 1
+            return
+        for i in range(min(accepted + 1, k, self.max_k)):
+            self.reached[i] += 1
+            if i < accepted:
+                self.accepted[i] += 1
+
+    def rates(self) -> list[float]:
+        """q_i: P(position i accepted | positions before it accepted), shrunk (module docstring)."""
+        rates, prior = [], PRIOR_ACCEPT
+        for a, r in zip(self.accepted, self.reached, strict=True):
+            prior = (a + prior * PRIOR_ROUNDS) / (r + PRIOR_ROUNDS)
+            rates.append(prior)
+        return rates
+
+    def tau(self, k: int) -> float:
+        """Expected tokens per round with k chain drafts."""
+        total, p = 1.0, 1.0
+        for q in self.rates()[:k]:
+            p *= q
+            total += p
+        return total
+
+    def tau_tree(self, shape: TreeShape) -> float:
+        """Tokens per tree round so far; before any, the chain estimate at the tree's depth
+        (a tree accepts at least what its best chain would)."""
+        prior = self.tau(min(shape.depth, self.max_k))
+        return (self.tree_tokens + prior * PRIOR_ROUNDS) / (self.tree_rounds + PRIOR_ROUNDS)
+
+
+def fit_line(ms: list[float]) -> list[float]:
+    """Timings at T = 1..n smoothed to a + b*T (Theil-Sen: median pairwise slope, b >= 0), so one
+    disturbed measurement on a busy machine cannot make a larger K look cheaper than a smaller one."""
+    n = len(ms)
+    if n < 2:
+        return list(ms)
+    slopes = [(ms[j] - ms[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
+    b = max(0.0, statistics.median(slopes))
+    a = max(statistics.median(m - b * t for t, m in enumerate(ms)), min(ms))  # never <= 0
+    return [a + b * t for t in range(n)]
+
+
+def probe_batch_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch]
+
+
+# rows(B, positions): B sequences with room for `positions` positions, or None when the
+# backend has no room for them (a full KV pool); released on exit.
+Rows = Callable[[int, int], AbstractContextManager[list[Sequence] | None]]
+
+
+class RoundCosts:
+    """Milliseconds of a backend's forwards per batch size B and tokens per row T (1..max_T)."""
+
+    def __init__(self, verify: dict[int, list[float]], draft: dict[int, list[float]],
+                 plain: dict[int, float] | None = None, context: int = 0) -> None:
+        self.context = context  # the cache length the times were measured at
+        self.verify = verify  # B -> [ms at T = 1 ..]
+        self.draft = draft  # B -> [ms at T = 1 ..]
+        self.plain = plain or {b: v[0] for b, v in verify.items()}  # B -> a plain step (no taps)
+
+    @classmethod
+    @torch.no_grad()
+    def measure(cls, backend: Backend, rows: Rows, batch_sizes: list[int], max_T: int,
+                context: int, repeats: int = 3) -> RoundCosts:
+        """Time the forwards on `rows(B, positions)` (sequences `context` positions long):
+        interleaved medians, then a line in T per batch size (`fit_line`). Batch sizes whose
+        rows cannot be had (a full pool) are skipped."""
+        verify: dict[int, list[float]] = {}
+        draft: dict[int, list[float]] = {}
+        plain: dict[int, float] = {}
+        for B in batch_sizes:
+            with rows(B, context + max_T + 1) as seqs:
+                if seqs is not None:
+                    verify[B], draft[B], plain[B] = _time_batch(backend, seqs, context, max_T,
+                                                                repeats)
+        return cls(verify, draft, plain, context)
+
+    @property
+    def max_T(self) -> int:
+        return len(next(iter(self.verify.values())))
+
+    def _at(self, table: dict[int, Any], B: int, T: int | None = None) -> float:
+        """Interpolated linearly between measured batch sizes (scaled past the largest)."""
+        sizes = sorted(table)
+        get = (lambda b: table[b]) if T is None else (lambda b: table[b][min(T, len(table[b])) - 1])
+        lo = max([b for b in sizes if b <= B], default=sizes[0])
+        hi = min([b for b in sizes if b >= B], default=sizes[-1])
+        if lo == hi:
+            return get(lo) * (B / lo if B > lo else 1.0)
+        w = (B - lo) / (hi - lo)
+        return (1 - w) * get(lo) + w * get(hi)
+
+    def round_ms(self, B: int, plan: Plan) -> float:
+        """Predicted milliseconds of one round of `plan` at batch size B."""
+        if plan.tree is not None:
+            t = plan.tree
+            depth = min(t.depth, t.total_tokens)
+            return (self._at(self.verify, B, t.total_tokens + 1) + self._at(self.draft, B, depth + 1)
+                    + (depth - 1) * self._at(self.draft, B, t.top_k))
+        if plan.k == 0:
+            return self._at(self.plain, B)
+        return (self._at(self.verify, B, plan.k + 1) + self._at(self.draft, B, plan.k + 1)
+                + (plan.k - 1) * self._at(self.draft, B, 1))
+
+    def predicted_speedup(self, tau: float, plan: Plan, B: int = 1) -> float | None:
+        """tau tokens per round of `plan` against plain decoding, by this model's times (None when
+        the plan's verify size was not measured)."""
+        T = plan.tree.total_tokens + 1 if plan.tree is not None else plan.k + 1
+        if T > self.max_T:
+            return None
+        return tau * self.round_ms(B, Plan()) / self.round_ms(B, plan)
+
+    def cost_ratios(self) -> dict[str, Any]:
+        """At batch 1: cost(T)/cost(1) of a verify over T tokens against a plain step, and a draft
+        step against a plain step (what `eagle3 bench` reports)."""
+        plain = self._at(self.plain, 1)
+        return {"cache_len": self.context, "target_forward_ms": plain,
+                "verify_cost_ratio": {str(T): self._at(self.verify, 1, T) / plain
+                                      for T in range(2, self.max_T + 1)},
+                "draft_step_ms": self._at(self.draft, 1, 1),
+                "draft_step_over_target_forward": self._at(self.draft, 1, 1) / plain}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verify_ms": {str(b): [round(x, 3) for x in v] for b, v in self.verify.items()},
+                "draft_ms": {str(b): [round(x, 3) for x in v] for b, v in self.draft.items()},
+                "plain_ms": {str(b): round(v, 3) for b, v in self.plain.items()}}
+
+
+def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
+                tree: TreeShape | None = None, min_k: int = 0) -> Plan:
+    """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0),
+    chains of min_k..kmax, and `tree` when given (ties: the cheaper, plain first)."""
+    kmax = min(kmax, costs.max_T - 1)
+    candidates = [Plan(k) for k in range(max(min_k, 0), kmax + 1)]
+    if tree is not None and tree.total_tokens + 1 <= costs.max_T:
+        candidates.append(Plan(tree=tree))
+    best, best_rate = candidates[0], -1.0
+    for plan in candidates:
+        tau = (acceptance.tau_tree(plan.tree) if plan.tree is not None else acceptance.tau(plan.k))
+        rate = B * tau / costs.round_ms(B, plan)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = plan, rate
+    return best
+
+
+def _time_batch(backend: Backend, seqs: list[Sequence], context: int, max_T: int,
+                repeats: int) -> tuple[list[float], list[float], float]:
+    """(verify ms per T, draft ms per T, plain step ms) for these rows at `context`."""
+    dev = backend.device
+    B = len(seqs)
+    T_all = list(range(1, max_T + 1))
+    tv: dict[int, list[float]] = {T: [] for T in T_all}
+    td: dict[int, list[float]] = {T: [] for T in T_all}
+    tp: list[float] = []
+    starts = [context] * B
+    for rep in range(repeats + 1):  # the first pass warms up
+        t0 = time.perf_counter()
+        logits, _ = backend.target(seqs, torch.ones(B, 1, dtype=torch.long, device=dev),
+                                   causal_layout(starts, 1, device=dev), with_features=False,
+                                   last_only=True)
+        logits.argmax(-1).tolist()
+        if rep:
+            tp.append((time.perf_counter() - t0) * 1e3)
+        for T in T_all:
+            tokens = torch.ones(B, T, dtype=torch.long, device=dev)
+            layout = causal_layout(starts, T, device=dev)
+            t0 = time.perf_counter()
+            logits, feats = backend.target(seqs, tokens, layout)
+            logits.argmax(-1).tolist()
+            t1 = time.perf_counter()
+            if feats is not None:
+                out, _ = backend.draft(seqs, tokens, feats, layout)
+                out.argmax(-1).tolist()
+            t2 = time.perf_counter()
+            if rep:
+                tv[T].append((t1 - t0) * 1e3)
+                td[T].append((t2 - t1) * 1e3)
+    return (fit_line([statistics.median(tv[T]) for T in T_all]),
+            fit_line([statistics.median(td[T]) for T in T_all]), statistics.median(tp))

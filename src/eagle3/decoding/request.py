@@ -1,0 +1,89 @@
+"""One generation request and its validation, shared by `generate`, the engine and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import Eagle3Error
+from .sampling import SamplingParams, check_sampling
+from .tree import TreeShape, parse_tree
+
+MAX_NUM_DRAFT_TOKENS = 32
+SAMPLING_K = 4  # chain drafts for sampled requests under automatic K: a seed's output then
+# never depends on timings or on the batch a request shares
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: prompt ids, length, sampling, stop ids and drafting choice."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    num_draft_tokens: int | None = None  # None: automatic
+    tree: TreeShape | None = None
+
+
+def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
+    """The prompt as a list of ints in the vocabulary."""
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt_ids = prompt_ids.flatten().tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise Eagle3Error("prompt_ids must be a sequence of integer token ids")
+    ids = []
+    for t in prompt_ids:
+        if isinstance(t, bool) or not isinstance(t, int) and not (
+                isinstance(t, float) and t.is_integer()):
+            raise Eagle3Error("prompt_ids must be a sequence of integer token ids")
+        ids.append(int(t))
+    if not ids:
+        raise Eagle3Error("the prompt is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise Eagle3Error(f"token id {bad[0]} is outside the target's vocabulary (0..{vocab_size - 1}); "
+                          "check the tokenizer matches the target")
+    return ids
+
+
+def check_stop_ids(stop_token_ids: Any, eos_token_ids: Any) -> frozenset[int]:
+    """The stop ids of a request: `stop_token_ids`, or the target's EOS ids when None."""
+    try:
+        return frozenset(int(t) for t in (eos_token_ids if stop_token_ids is None else stop_token_ids))
+    except (TypeError, ValueError):
+        raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
+
+
+def check_num_draft_tokens(k: Any) -> int | None:
+    """An int K in 1..MAX_NUM_DRAFT_TOKENS, or None for automatic ('auto' or None)."""
+    if k is None or k == "auto":
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise Eagle3Error(f"num_draft_tokens must be 'auto' or an integer in 1..{MAX_NUM_DRAFT_TOKENS}, "
+                          f"got {k!r}")
+    return k
+
+
+def check_generation(prompt_ids: Any, max_new_tokens: Any, *, vocab_size: int, max_len: int,
+                     eos_token_ids: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0,
+                     seed: Any = None, num_draft_tokens: Any = None, tree: Any = None,
+                     stop_token_ids: Any = None) -> GenerationRequest:
+    """Validate a request at admission (one clear error each); see `Eagle3Speculator.generate`."""
+    ids = check_prompt(prompt_ids, vocab_size)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise Eagle3Error(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if len(ids) + max_new_tokens > max_len:
+        raise Eagle3Error(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                          f"target's context of {max_len} tokens (max_seq_len); shorten the prompt, "
+                          "lower max_new_tokens or load with a larger max_seq_len")
+    k = check_num_draft_tokens(num_draft_tokens)
+    params = check_sampling(temperature, top_p, top_k, seed)
+    shape = parse_tree(tree)
+    if shape is not None and k is not None:
+        raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
+                          "None (the tree's depth and total_tokens size the draft)")
+    stop = check_stop_ids(stop_token_ids, eos_token_ids)
+    return GenerationRequest(ids, max_new_tokens, params, stop, k, shape)

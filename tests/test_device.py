@@ -1,0 +1,55 @@
+"""The same decoding on every device this machine has: CPU always, CUDA when present.
+
+Every tensor the round builds lives on the target's device (`decoding.backend`); these
+tests run generate (chains, trees, sampling) and the engine on each device against that
+device's own plain decoding, and CUDA's greedy tokens against the CPU's where they agree
+on the first step's argmax margin (float reductions differ across devices).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eagle3
+from eagle3.engine import Engine, EngineConfig
+from heads import forced_head, save_bigram_target
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine: the CUDA path is untested here"))]
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    return save_bigram_target(str(tmp_path_factory.mktemp("device") / "bigram"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_and_engine_on_device(bigram, tmp_path, device):
+    from eagle3.draft import save_head
+    from eagle3.targets import load_target
+
+    head = forced_head(load_target(bigram), "partial")
+    save_head(head, str(tmp_path / "head"), fmt="speculators")
+    spec = eagle3.load(bigram, str(tmp_path / "head"), device=device)
+    assert spec.target_device.type == device and spec.draft.fc.weight.device.type == device
+    plain = spec.plain()
+    prompts = [[3, 17, 9], [40, 2, 7, 11, 5]]
+    for p in prompts:
+        want = plain.generate(p, 24, stop_token_ids=[]).token_ids
+        for kw in (dict(num_draft_tokens=3), dict(tree=True), {}):
+            assert spec.generate(p, 24, stop_token_ids=[], **kw).token_ids == want, kw
+        a = spec.generate(p, 24, stop_token_ids=[], temperature=0.8, seed=5)
+        assert a.token_ids == spec.generate(p, 24, stop_token_ids=[], temperature=0.8, seed=5).token_ids
+    engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=3)).start(background=False)
+    reqs = [engine.submit(p, 24, stop_token_ids=[]) for p in prompts]
+    engine.run_until_idle()
+    assert [r.token_ids for r in reqs] == [plain.generate(p, 24, stop_token_ids=[]).token_ids
+                                           for p in prompts]
+
+
+def test_device_errors(bigram):
+    for bad, msg in (("tpu", "unknown device"), ("cuda:99", "CUDA" if not torch.cuda.is_available()
+                                                  else "CUDA device")):
+        with pytest.raises(eagle3.Eagle3Error, match=msg):
+            eagle3.load(bigram, "none", device=bad)
