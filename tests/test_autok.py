@@ -12,11 +12,11 @@ import math
 import pytest
 
 import eagle3
-from eagle3.bench.cli import parse_ks
 from eagle3.bench.harness import run_bench
 from eagle3.bench.report import markdown
+from eagle3.cli.bench import parse_ks
 from eagle3.decoding.costs import AUTO_MAX_K, PRIOR_ACCEPT, Acceptance, RoundCosts, choose_plan
-from eagle3.decoding.round import Plan
+from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target

@@ -17,9 +17,9 @@ import torch
 
 import eagle3
 from eagle3.bench import harness, peers
-from eagle3.bench.cli import main, parse_peers
 from eagle3.bench.harness import Sample, interleave, run_bench, summarize
 from eagle3.bench.report import markdown
+from eagle3.cli.bench import main, parse_peers
 from eagle3.decoding.profile import profiling
 from eagle3.draft import save_head
 from eagle3.speculator import Eagle3Speculator, empty_stats
@@ -264,7 +264,7 @@ def test_tree_and_sampled_rows(spec):
 
 
 def test_parse_trees():
-    from eagle3.bench.cli import parse_trees
+    from eagle3.cli.bench import parse_trees
     from eagle3.decoding.tree import DEFAULT_TREE, TreeShape
     from eagle3.errors import Eagle3Error
 

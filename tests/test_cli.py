@@ -181,7 +181,7 @@ def test_inspect(llama, env):
 
 def test_inspect_non_native(home, with_tokenizer):
     """In process: a model_type with no native target is described from its own config keys."""
-    from eagle3.inspect import inspect_path
+    from eagle3.inspection import inspect_path
 
     g = os.path.join(home, "gpt2-inspect")
     transformers.GPT2LMHeadModel(transformers.GPT2Config(

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 import eagle3
 from conftest import make_hf_model
 from eagle3.decoding.costs import RoundCosts
-from eagle3.decoding.round import Plan
+from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head, random_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target

@@ -41,3 +41,28 @@ def test_gemma3_270m_matches_transformers():
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                        min_new_tokens=20, pad_token_id=0)
     assert spec.generate(prompt, 20, stop_token_ids=[]).token_ids == out[0, len(prompt):].tolist()
+
+
+def test_gemma3_270m_served_by_the_engine():
+    """The engine (paged KV, ragged batches) on Gemma 3 270M past its 512-token window, with a
+    random head (none is trained for it) drafting chains and trees: greedy output equals
+    plain decoding; plain batched decoding too."""
+    from eagle3.draft import attach_head, random_head
+    from eagle3.engine import Engine, EngineConfig
+    from eagle3.speculator import Eagle3Speculator
+
+    t = eagle3.load("gemma-3-270m", "none", max_seq_len=640).target
+    head = random_head(t, seed=1, scale=0.3)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    g = torch.Generator().manual_seed(1)
+    long_prompt = [2] + torch.randint(3, 20000, (530,), generator=g).tolist()  # past the window
+    prompts = [long_prompt, [2, 651, 6037, 529, 6081, 603], long_prompt[:40]]
+    want = [spec.plain().generate(p, 12, stop_token_ids=[]).token_ids for p in prompts]
+    for cfg in (EngineConfig(max_batch=3, speculate=False), EngineConfig(max_batch=3, num_draft_tokens=3),
+                EngineConfig(max_batch=3, tree={"top_k": 2, "depth": 3, "total_tokens": 5}, auto_plan=False)):
+        engine = Engine(spec, cfg).start(background=False)
+        reqs = [engine.submit(p, 12, stop_token_ids=[]) for p in prompts]
+        engine.run_until_idle()
+        assert [r.token_ids for r in reqs] == want, cfg
+        assert engine.pool.used_tokens == 0

@@ -34,9 +34,10 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
     check_num_draft_tokens,
     check_stop_ids,
 )
-from .decoding.round import Plan, Sequence, empty_stats, prefill, run_round, size_stats
+from .decoding.round import Sequence, empty_stats, prefill, run_round, size_stats
 from .decoding.sampling import Sampler
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
+from .decoding.types import Plan
 from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..decoding.profile import Profile, profiling
-from ..decoding.round import Plan
+from ..decoding.types import Plan
 
 PLAIN = "plain"
 

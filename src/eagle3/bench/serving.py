@@ -9,7 +9,10 @@ and the speculative engine each serve the whole prompt set in turn (interleaved)
 throughput = generated tokens / wall time over all requests, medians over
 repetitions. Latencies are per request: time to first token, inter-token latency
 (mean gap after the first token), end-to-end. Every output is compared with
-single-request plain greedy decoding of the same prompt.
+single-request plain greedy decoding of the same prompt. Each repetition also runs
+the prompts one by one through `generate` (the same speculator, automatic K), the
+single-request path the engine at concurrency 1 should match (`generate_tokens_per_s`,
+`engine_vs_generate`). With `tree`, the speculative engines may pick that tree too.
 """
 
 from __future__ import annotations
@@ -47,9 +50,17 @@ def _serve_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
             "e2e_s": [m["e2e_s"] for m in ms]}
 
 
+def _generate_all(spec: Any, prompts: list[list[int]], max_new_tokens: int,
+                  num_draft_tokens: int | None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    outs = [spec.generate(p, max_new_tokens, num_draft_tokens=num_draft_tokens).token_ids
+            for p in prompts]
+    return {"tokens": sum(len(o) for o in outs), "seconds": time.perf_counter() - t0, "outputs": outs}
+
+
 def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: list[int], *,
                           max_new_tokens: int, repeats: int, num_draft_tokens: int | None = None,
-                          progress: bool = False) -> dict[str, Any]:
+                          tree: Any = None, progress: bool = False) -> dict[str, Any]:
     """Speculation off vs on at each concurrency, interleaved; see the module docstring."""
     n = len(prompts)
     want = [spec.plain().generate(p, max_new_tokens).token_ids for p in prompts]
@@ -57,8 +68,11 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
     for c in concurrencies:
         for on in (False, True):
             cfg = EngineConfig(max_batch=c, max_queue=max(64, n), speculate=on,
-                               num_draft_tokens=num_draft_tokens)
+                               num_draft_tokens=num_draft_tokens, tree=tree if on else None)
             engines[(c, on)] = Engine(spec, cfg).start(background=False)
+    spec.calibrate()  # the single-request path's cost model, before any timing
+    _generate_all(spec, prompts[:2], min(8, max_new_tokens), num_draft_tokens)
+    single: list[dict[str, Any]] = []
     for engine in engines.values():  # warm-up: one pass over a few prompts
         _serve_all(engine, prompts[:2], min(8, max_new_tokens))
     runs: dict[tuple[int, bool], list[dict[str, Any]]] = {key: [] for key in engines}
@@ -66,6 +80,7 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
     for e in engines.values():  # count the measured rounds only
         e.k_history.clear()
     for rep in range(repeats):
+        single.append(_generate_all(spec, prompts, max_new_tokens, num_draft_tokens))
         for c in concurrencies:
             for on in (False, True):
                 runs[(c, on)].append(_serve_all(engines[(c, on)], prompts, max_new_tokens))
@@ -103,6 +118,9 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
         row["speedup"] = row["eagle"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
         row["outputs_identical"] = row["eagle"]["outputs_identical"]
         rows.append(row)
+    generate_rate = statistics.median(r["tokens"] / r["seconds"] for r in single)
+    for row in rows:
+        row["engine_vs_generate"] = row["eagle"]["tokens_per_s"] / generate_rate
     for engine in engines.values():
         engine.stop()
     top = rows[-1]
@@ -110,7 +128,10 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
         "mode": "concurrency",
         "settings": {"prompts": n, "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "concurrency": concurrencies,
-                     "num_draft_tokens": "auto" if num_draft_tokens is None else num_draft_tokens},
+                     "num_draft_tokens": "auto" if num_draft_tokens is None else num_draft_tokens,
+                     "tree": getattr(tree, "as_dict", lambda: tree)()},
+        "generate_tokens_per_s": generate_rate,
+        "generate_outputs_identical": all(r["outputs"] == want for r in single),
         "concurrency": rows,
         # The single-request contract keys, taken at the highest concurrency measured.
         "baseline_tokens_per_s": top["plain"]["tokens_per_s"],
@@ -146,6 +167,10 @@ def markdown_concurrency(report: dict[str, Any]) -> str:
                          f"{r['e2e_s_median']:.2f} | {tau} | "
                          f"{'yes' if r['outputs_identical'] else 'NO'} |")
     lines.append("")
+    ratios = ", ".join(f"{r['concurrency']}: {r['engine_vs_generate']:.2f}x" for r in report["concurrency"])
+    lines.append(f"Single-request generate (same speculator, one prompt at a time): "
+                 f"{report['generate_tokens_per_s']:.1f} tok/s; the engine at each concurrency / that: "
+                 + ratios)
     for row in report["concurrency"]:
         ks = row["eagle"]["rounds_by_batch_and_k"]
         lines.append(f"concurrency {row['concurrency']}: rounds by batch size -> {{K: rounds}}: {ks}")

@@ -1,1 +1,2 @@
-"""Decoding loops: plain (one target forward per token) and speculative."""
+"""Decoding: the speculative round (round.py) and its seam types, the backends it runs on,
+acceptance, trees, sampling and the cost model."""

@@ -10,33 +10,12 @@ One function for every mode (DESIGN §2):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .sampling import speculative_accept, tree_accept
-
-if TYPE_CHECKING:
-    from .round import Proposal
-
-
-@dataclass
-class Verdict:
-    """One row's outcome: accepted node path (root excluded), the tokens it yields (accepted
-    nodes then the next token), the depths of its drafted nodes; filled by the commit: the
-    tokens actually emitted (`new`), `done`, drafts counted and accepted; or the error that
-    failed this row alone."""
-
-    seq: Any
-    path: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)
-    done: bool = False
-    drafted: int = 0
-    accepted: int = 0
-    error: str | None = None
+from .types import Proposal, Verdict
 
 
 def greedy_path(verify_ids: list[int], tokens: list[int], parents: list[int]) -> list[int]:

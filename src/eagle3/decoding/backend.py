@@ -37,7 +37,7 @@ RECOMPILE_LIMIT = 256
 
 @dataclass
 class Layout:
-    """T tokens per row written at positions `starts[b] + offsets`.
+    """T tokens per row written at positions `starts[b] + offsets` (0..T-1 without a region).
 
     region (B, T, R) bool: which of the row's positions starts[b] .. starts[b]+R-1 each
     query sees (besides every position before starts[b]); None = causal over the T
@@ -59,7 +59,7 @@ class Layout:
         """R: how many positions from each row's start this forward may touch."""
         if self.region is not None:
             return self.region.shape[-1]
-        return int(self.offsets[-1]) + 1 if self.offsets.numel() else 0
+        return self.offsets.shape[0]  # causal layouts write offsets 0..T-1
 
     @property
     def causal(self) -> bool:
@@ -166,11 +166,11 @@ class StaticBackend:
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
         """slots (T,), key_slots (S,), mask (T, S) | None, rope (T,) | None, key_pos (S,) | None."""
         start, dev = layout.starts[0], self.device
-        slots = start + layout.offsets
         S = start + layout.span
         key_slots = slots_upto(S, dev)
-        if layout.causal:
-            return slots, key_slots, None, None, None
+        if layout.causal:  # slots start..S-1: a view, no arithmetic per step
+            return key_slots[start:], key_slots, None, None, None
+        slots = start + layout.offsets
         region = region_mask(layout, T, dev)[0]  # (T, R)
         mask = torch.cat([region.new_ones(T, start), region], dim=1)
         rope = start + (layout.offsets if layout.rope is None else layout.rope[0])

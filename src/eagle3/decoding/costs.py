@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from .backend import Backend, causal_layout
-from .round import Plan, Sequence
+from .round import Sequence
 from .tree import TreeShape
+from .types import Plan
 
 AUTO_MAX_K = 8
 PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0

@@ -34,11 +34,12 @@ from typing import Any
 import torch
 
 from ..targets.decoder import slots_upto
-from .accept import Verdict, accept
+from .accept import accept
 from .backend import Backend, Layout, causal_layout
 from .profile import active
 from .sampling import Sampler
 from .tree import TreeShape, chain_proposal, expand_tree
+from .types import Plan, Proposal, Verdict
 
 
 def empty_stats() -> dict[str, Any]:
@@ -110,39 +111,6 @@ class Sequence:
         return self.max_new_tokens - len(self.out)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What a round drafts: `k` chain tokens per row, or a `tree`; neither = plain decoding."""
-
-    k: int = 0
-    tree: TreeShape | None = None
-
-    @property
-    def drafts(self) -> bool:
-        return self.tree is not None or self.k > 0
-
-
-@dataclass
-class Proposal:
-    """Each drafting row's nodes under its anchor (node 0), parents before children.
-
-    tokens (G, N) target ids; parents (G, N) node indices (0 = the anchor); depth (G, N+1)
-    with depth[:, 0] = 0; mask (G, N+1, N+1): row i marks node i and its ancestors; q: per
-    row (N, V) the draft probabilities each node was sampled from, or None (argmax or tree
-    nodes). Row g uses its first `counts[g]` nodes (any prefix is a connected tree).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    mask: torch.Tensor
-    q: list[torch.Tensor | None]
-    counts: list[int]
-    errors: dict[int, str] = field(default_factory=dict)  # row -> why its own drafting failed
-    rows: list[int] = field(default_factory=list)  # the batch rows these are (set by the round)
-    tree: bool = True  # False: chains, verified under the plain causal mask (no mask built)
-
-
 def grant(seq: Sequence, plan: Plan, max_len: int) -> int:
     """Draft nodes this row may verify this round (0: it decodes plainly)."""
     if not plan.drafts or not seq.drafts or seq.root is None and not seq.pending_ids:
@@ -204,18 +172,26 @@ def _catch_up_rows(backend: Backend, rows: list[Sequence], prompt: bool = False)
     dev = backend.device
     counts = [len(s.pending_ids) for s in rows]
     T = max(counts)
-    tokens = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
-    feats = []
-    for b, s in enumerate(rows):
-        tokens[b, :counts[b]] = torch.tensor(s.pending_ids, device=dev)
-        f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
-        feats.append(torch.cat([f, f[-1:].expand(T - f.shape[0], -1)]) if f.shape[0] < T else f)
-    logits, h = backend.draft(rows, tokens, torch.stack(feats),
-                              causal_layout([s.draft_len for s in rows], T,
-                                            counts if len(rows) > 1 else None, dev), prompt=prompt)
-    last = torch.tensor(counts, device=dev) - 1
-    idx = torch.arange(len(rows), device=dev)
-    roots, bounds = logits[idx, last], h[idx, last]  # (G, Vd), (G, H)
+    if len(rows) == 1:  # the common case (generate): no padding
+        s = rows[0]
+        tokens = torch.tensor([s.pending_ids], device=dev)
+        feats = (torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0])[None]
+        logits, h = backend.draft(rows, tokens, feats, causal_layout([s.draft_len], T, device=dev),
+                                  prompt=prompt)
+        roots, bounds = logits[:, -1], h[:, -1]
+    else:
+        tokens = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
+        padded = []
+        for b, s in enumerate(rows):
+            tokens[b, :counts[b]] = torch.tensor(s.pending_ids, device=dev)
+            f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
+            padded.append(torch.cat([f, f[-1:].expand(T - f.shape[0], -1)]) if f.shape[0] < T else f)
+        logits, h = backend.draft(rows, tokens, torch.stack(padded),
+                                  causal_layout([s.draft_len for s in rows], T, counts, dev),
+                                  prompt=prompt)
+        last = torch.tensor(counts, device=dev) - 1
+        idx = torch.arange(len(rows), device=dev)
+        roots, bounds = logits[idx, last], h[idx, last]  # (G, Vd), (G, H)
     for b, s in enumerate(rows):
         s.root, s.boundary = roots[b], bounds[b]
         s.draft_len += counts[b]
@@ -292,7 +268,7 @@ def verify(backend: Backend, seqs: list[Sequence],
     dev = backend.device
     B = len(seqs)
     T = 1 + max((max(p.counts) for p in proposals), default=0)
-    tokens = torch.tensor([[s.anchor] for s in seqs], device=dev).expand(B, T).clone()
+    tokens = torch.tensor([[s.anchor] * T for s in seqs], device=dev)
     counts = [1] * B
     region = rope = None
     if any(p.tree for p in proposals):  # ancestor masks and depths; chains are causal

@@ -29,9 +29,10 @@ from typing import Any
 
 from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, choose_plan, probe_batch_sizes
 from ..decoding.request import MAX_NUM_DRAFT_TOKENS, SAMPLING_K, check_generation
-from ..decoding.round import Plan, Sequence, prefill, run_round
+from ..decoding.round import Sequence, prefill, run_round
 from ..decoding.sampling import Sampler
 from ..decoding.tree import TreeShape, parse_tree
+from ..decoding.types import Plan
 from ..errors import Eagle3Error, notice
 from .kv import PagedBackend, PagePool
 from .request import DONE, Request, RequestState
@@ -104,6 +105,7 @@ class Engine:
         self.totals_per_pos: list[int] = []
         self.totals_hist: list[int] = []
         self.outcomes = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
+        self.published: dict[str, dict[str, Any]] = {}  # running requests' metrics, per round
         self.k_history: dict[int, dict[Any, int]] = {}  # batch size -> {k or "tree": rounds}
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -288,6 +290,8 @@ class Engine:
         key = "tree" if plan.tree is not None else plan.k
         self.k_history.setdefault(len(batch), {}).setdefault(key, 0)
         self.k_history[len(batch)][key] += 1
+        with self.lock:  # counters for metrics(), which other threads read: consistent per round
+            self.published = {r.id: r.metrics for r in batch}
         now = time.perf_counter()
         for r, v in zip(batch, verdicts, strict=True):
             if v.error is not None:  # this request's own handling failed: it alone fails
@@ -405,7 +409,7 @@ class Engine:
             out: dict[str, Any] = dict(self.totals)
             per_pos, hist = list(self.totals_per_pos), list(self.totals_hist)
             for r in self.running:
-                m = r.metrics
+                m = self.published.get(r.id) or r.metrics  # as of its last round (engine thread)
                 for c in COUNTERS:
                     out[c] += m[c]
                 add_into(per_pos, m["spec_decode_num_accepted_tokens_per_pos"])

@@ -1,7 +1,7 @@
 """`eagle3 bench`: plain decoding vs EAGLE-3 (each K) vs transformers peers, one process, interleaved.
 
 `add_parser(subparsers)` registers the verb; `main(argv)` runs it standalone
-(`python -m eagle3.bench.cli bench ...`).
+(`python -m eagle3.cli.bench bench ...`).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ draft step / target forward. --json OUT writes every number."""
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the `bench` verb on an `eagle3` subparsers object."""
-    from ..cli import _add_target_args, _int_list
+    from .args import add_target_args, int_list
 
     b = subparsers.add_parser("bench", help="A/B benchmark: plain vs EAGLE-3 per K vs transformers peers",
                               description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_target_args(b, backends=True)
+    add_target_args(b, backends=True)
     b.add_argument("--draft", default=None,
                    help="EAGLE-3 head directory (default: the default head for --target default)")
-    b.add_argument("--taps", type=_int_list, default=None, metavar="2,16,29",
+    b.add_argument("--taps", type=int_list, default=None, metavar="2,16,29",
                    help="target layers feeding the head (default: the head config's ids)")
     b.add_argument("--prompts", default=None, metavar="SET|FILE",
                    help="sharegpt-heldout (held-out ShareGPT first turns, chat template applied), "
@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="the K values to measure, 'auto' for the automatic choice (default auto,1..8)")
     b.add_argument("--tree", default="default", metavar="default,4x7x24",
                    help="tree shapes to measure, each 'default' or TOPKxDEPTHxNODES (e.g. 4x8x48), "
-                        "or none (default: the default tree)")
+                        "or none (default: the default tree); with --concurrency, one shape the "
+                        "engine's cost model may pick besides plain and chains")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="also measure sampling at this temperature: sampled plain, chain K=auto and "
                         "each tree, speedups against sampled plain (default 0: greedy rows only)")
@@ -148,7 +149,7 @@ def parse_backends(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
     """The peers to run; the default skips them (with a note) when transformers is missing."""
-    from . import peers
+    from ..bench import peers
 
     if text is None:
         names = ["hf", "lookup"] + (["assisted"] if assistant else [])
@@ -175,7 +176,7 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
 def read_prompt_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     """(where, record) per prompt of a named set (`bench/prompts.py`) or a .jsonl (prompt /
     prompt_ids / messages) or text file; the first `limit` only when given."""
-    from .prompts import DEFAULT_LIMIT, PROMPT_SETS, prompt_set
+    from ..bench.prompts import DEFAULT_LIMIT, PROMPT_SETS, prompt_set
 
     if limit is not None and limit < 1:
         raise Eagle3Error(f"--limit must be >= 1, got {limit}")
@@ -246,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.assistant is not None and not (Path(args.assistant) / "config.json").is_file():
         raise Eagle3Error(f"--assistant {args.assistant} is not a checkpoint directory (no config.json)")
     if args.plots:
-        from .plots import check_matplotlib
+        from ..bench.plots import check_matplotlib
 
         check_matplotlib()
     records = (read_prompt_records(args.prompts, args.limit) if args.prompts is not None
@@ -258,11 +259,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import eagle3
 
+    from ..bench import peers
+    from ..bench.harness import run_bench
+    from ..bench.report import markdown
     from ..default import default_target_dir
     from ..targets import HFTarget, resolve_dtype
-    from . import peers
-    from .harness import run_bench
-    from .report import markdown
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -309,7 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         _write(args.json, json.dumps(report, indent=2) + "\n")
     if args.plots:
-        from .plots import save_plots
+        from ..bench.plots import save_plots
 
         save_plots(report, args.plots)
     return 0
@@ -332,7 +333,7 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
 
     import eagle3
 
-    from .serving import markdown_concurrency, run_concurrency_bench
+    from ..bench.serving import markdown_concurrency, run_concurrency_bench
 
     concurrencies = parse_concurrency(args.concurrency)
     if args.backend not in ("auto", "eager", "native") or args.compile:
@@ -345,9 +346,13 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
                        max_seq_len=args.max_seq_len, taps=args.taps, device=args.device)
     if spec.draft is None:
         raise Eagle3Error("--concurrency compares speculation off vs on: it needs a draft head (--draft DIR)")
+    trees = parse_trees(args.tree) if k is None else []  # a fixed K measures chains only
+    if len(trees) > 1:
+        raise Eagle3Error("--concurrency offers the engine one tree shape: give --tree one shape (or none)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
     report = run_concurrency_bench(spec, prompts, concurrencies, max_new_tokens=args.max_new_tokens,
-                                   repeats=args.repeats, num_draft_tokens=k, progress=sys.stderr.isatty())
+                                   repeats=args.repeats, num_draft_tokens=k,
+                                   tree=trees[0] if trees else None, progress=sys.stderr.isatty())
     report["settings"].update(target=args.target, draft=args.draft, threads=torch.get_num_threads())
     print(markdown_concurrency(report))
     if args.json:

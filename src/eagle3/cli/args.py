@@ -1,0 +1,90 @@
+"""Argument helpers shared by the verbs: targets, heads, K, trees, sampling."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import Eagle3Error
+
+DRAFT_HELP = ("EAGLE-3 head directory, or 'none' for plain decoding (default: the default head for "
+              "--target default, else none)")
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def num_draft_tokens(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
+
+
+def add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: bool = False) -> None:
+    """--target, --backend, --program, --dtype, --max-seq-len. `backends`: bench's comma-separated
+    list; `engine`: the serving engine's eager native backends only (no --program)."""
+    p.add_argument("--target", default="default",
+                   help="target: a checkpoint directory (Hugging Face layout), a .gguf file (or a "
+                        "directory holding one), a model name (eagle3 models: smollm2-135m-instruct, "
+                        "gemma-3-270m), or 'default' (SmolLM2-135M-Instruct with the head trained "
+                        "here; default)")
+    if engine:  # checked in the verb, so that a wrong value is one line, not argparse's usage dump
+        p.add_argument("--backend", default="auto", metavar="auto|native",
+                       help="the engine runs the eager native PyTorch target: auto (default) or native")
+    elif backends:  # bench: a comma-separated list, run side by side
+        p.add_argument("--backend", default="auto", metavar="eager,executorch",
+                       help="backends to measure side by side, comma-separated: eager (= auto: the "
+                            "native PyTorch target when supported), native, hf (the transformers "
+                            "adapter), executorch (the exported program --program DIR); speedups "
+                            "are against the first one's plain decoding (default auto)")
+    else:
+        p.add_argument("--backend", default="auto", choices=("auto", "native", "hf", "executorch"),
+                       help="native PyTorch target, the transformers adapter, auto (native when "
+                            "the architecture is supported), or executorch (an exported program: "
+                            "--program DIR)")
+    if not engine:
+        p.add_argument("--program", default=None, metavar="DIR",
+                       help="with --backend executorch: the --out directory of `eagle3 export`")
+    p.add_argument("--dtype", default=None, help="compute dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--device", default=None,
+                   help="where the target and head run: cpu (default), cuda, cuda:N")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
+
+
+def add_tree_args(p: argparse.ArgumentParser, tree_help: str) -> None:
+    """--tree / --chain and the tree's shape (--tree-* imply --tree)."""
+    from ..decoding.tree import DEFAULT_TREE as d
+
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--tree", action="store_true", help=tree_help)
+    shape.add_argument("--chain", action="store_true", help="chain drafting (default)")
+    p.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                   help=f"children per expanded node (default {d.top_k}; implies --tree)")
+    p.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help=f"tree levels = longest acceptable draft (default {d.depth}; implies --tree)")
+    p.add_argument("--tree-total-tokens", type=int, default=None, metavar="N",
+                   help=f"nodes verified per round (default {d.total_tokens}; implies --tree)")
+
+
+def decoding_kwargs(args: argparse.Namespace, sampling: bool = True) -> dict:
+    """generate()'s keyword arguments from the command line (--tree-* imply --tree); without
+    `sampling`, only the tree."""
+    tree = None
+    custom = {key: getattr(args, f"tree_{key}") for key in ("top_k", "depth", "total_tokens")
+              if getattr(args, f"tree_{key}") is not None}
+    if args.chain and custom:
+        raise Eagle3Error("--chain contradicts --tree-top-k/--tree-depth/--tree-total-tokens; "
+                          "drop one")
+    if args.tree or custom:
+        tree = custom or True
+    if not sampling:
+        return {"tree": tree}
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                num_draft_tokens=args.num_draft_tokens, tree=tree, stop_token_ids=args.stop_ids)
