@@ -78,7 +78,7 @@ def test_rows_take_the_median_over_repetitions():
 
 
 def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
-    real = harness.engine_arm
+    real = harness.generate_arm
 
     def corrupting(s, n, k=None):  # the K=2 arm corrupts its second timed run (warm-up = call 0)
         run, calls = real(s, n, k), []
@@ -91,7 +91,7 @@ def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
             return out
         return arm
 
-    monkeypatch.setattr(harness, "engine_arm", corrupting)
+    monkeypatch.setattr(harness, "generate_arm", corrupting)
     bad_peer, peer_calls = real(spec, N, 1), []
 
     def peer(ids):

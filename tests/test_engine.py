@@ -428,6 +428,19 @@ def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
         acc.record(4, 0)
         acc.record(0, 2, tree=True)
     assert choose_plan(cheap, acc, 4, 8, tree=tree).tree == tree
+    # Measured rounds slower than predicted take the plan's edge away: plain wins back.
+    from eagle3.decoding.costs import Observed
+
+    seen = Observed(weight=1.0)
+    mild = RoundCosts({4: [10.0, 11.0] + [12.0] * 11}, {4: [0.5] * 13})
+    acc2 = Acceptance(8)
+    for _ in range(50):
+        acc2.record(1, 1)
+        acc2.record(2, 0)
+    assert choose_plan(mild, acc2, 4, 2).k > 0  # predicted: ~1.5-1.75 tokens per ~12 ms vs 1 per 10
+    for k in (1, 2):
+        seen.record(4, Plan(k), actual_ms=30.0, predicted_ms=mild.round_ms(4, Plan(k)))
+    assert choose_plan(mild, acc2, 4, 2, observed=seen) == Plan()
     assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
     assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1
 

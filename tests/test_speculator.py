@@ -382,3 +382,18 @@ def test_draft_cache_rejects_gaps_and_allows_rollback(dirs):
     spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([1]), kv_len=2)
     with pytest.raises(eagle3.Eagle3Error, match="gap"):
         spec.draft_decode(tok[:, :1], feat[:, :1], torch.tensor([3]), kv_len=4)
+
+
+def test_target_cache_records_its_fill_and_rejects_gaps(dirs):
+    """The contract methods record the target cache's writes too: a verify past the filled
+    prefix is refused, a verify that overwrites part of it (a rollback) is not."""
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))
+    spec.reset_caches()
+    spec.prefill(torch.tensor([[5, 6, 7]]), torch.arange(3), kv_len=3)
+    assert spec.target_cache.length == 3
+    with pytest.raises(eagle3.Eagle3Error, match="gap"):
+        spec.target_verify(torch.tensor([[1, 2]]), torch.tensor([5, 6]), kv_len=7)
+    spec.target_verify(torch.tensor([[1, 2, 3]]), torch.arange(3, 6), kv_len=6)
+    spec.decode(torch.tensor([[4]]), torch.tensor([4]), kv_len=5)  # rolls back to 5 slots
+    assert spec.target_cache.length == 5

@@ -1,4 +1,4 @@
-"""`eagle3.load`: the one-call entry point (DESIGN §4)."""
+"""`eagle3.load`: the one-call entry point."""
 
 from __future__ import annotations
 

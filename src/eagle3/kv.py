@@ -10,8 +10,30 @@ are never read, and the next write simply overwrites them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .errors import Eagle3Error
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q (B, nh, T, hd) over keys/values (B, nkv, S, hd) where `mask` (.., T, S) is True -> (B, T, nh*hd)."""
+    B, nh, T, hd = q.shape
+    nkv = keys.shape[1]
+    if softcap is None:
+        # enable_gqa: grouped heads without copying K/V (faster here than folding the groups
+        # into rows, and its output views stay exportable with a dynamic T).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=nh != nkv)  # (B, nh, T, hd)
+    else:
+        # Soft-capping needs the scores: fold each KV group's query heads into the row axis.
+        g = nh // nkv
+        scores = (q.reshape(B, nkv, g * T, hd) @ keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask.repeat(*[1] * (mask.dim() - 2), g, 1), float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+        out = out.reshape(B, nh, T, hd)
+    return out.transpose(1, 2).reshape(B, T, nh * hd)
 
 
 class SlotBook:
@@ -66,6 +88,13 @@ class StaticKVCache(SlotBook):
         self.k[layer].index_copy_(2, input_pos, k)
         self.v[layer].index_copy_(2, input_pos, v)
         return self.k[layer], self.v[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               input_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Write k, v at `input_pos`; attend q over slots [0, kv_len) under `mask` (T, kv_len)."""
+        keys, values = self.update(layer, input_pos, k, v)
+        return masked_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], mask, scale, softcap)
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""

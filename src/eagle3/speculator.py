@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .decoding.backend import StaticBackend
-from .decoding.costs import AUTO_MAX_K, REPICK_EVERY, Acceptance, RoundCosts, choose_plan
+from .decoding.costs import AUTO_MAX_K, REPICK_EVERY, Acceptance, Observed, RoundCosts, choose_plan
 from .decoding.request import (  # noqa: F401  (re-exported: the public request checks)
     MAX_NUM_DRAFT_TOKENS,
     SAMPLING_K,
@@ -70,6 +70,7 @@ class Eagle3Speculator:
         self._warned_low_acceptance = False
         self.costs: RoundCosts | None = None  # measured by calibrate()
         self.acceptance = Acceptance(self.max_auto_k)
+        self.observed = Observed()  # measured round times against the cost model's
 
     @property
     def max_seq_len(self) -> int:
@@ -153,7 +154,7 @@ class Eagle3Speculator:
         which `calibrate()` then measures again on the compiled steps.
         """
         self.backend.compile()
-        self.costs = None
+        self.costs, self.observed = None, Observed()
         return self
 
     @property
@@ -241,7 +242,8 @@ class Eagle3Speculator:
         return self._auto_plan(), True
 
     def _auto_plan(self) -> Plan:
-        return choose_plan(self.costs, self.acceptance, 1, self.max_auto_k, min_k=1)
+        return choose_plan(self.costs, self.acceptance, 1, self.max_auto_k, min_k=1,
+                           observed=self.observed)
 
     @torch.no_grad()
     def run(self, req: GenerationRequest) -> GenerationResult:
@@ -262,11 +264,15 @@ class Eagle3Speculator:
         t0 = time.perf_counter()
         prefill(backend, seq)
         while not seq.done:
+            t_round = time.perf_counter()
             (v,) = run_round(backend, [seq], plan)
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
             if automatic and v.depths:
                 self.acceptance.record(len(v.depths), len(v.path))
+                if len(v.depths) == plan.k:  # a full round (not one cut at the end)
+                    self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
+                                         self.costs.round_ms(1, plan))
                 if stats["rounds"] % REPICK_EVERY == 0:
                     plan = self._auto_plan()
                     stats["num_draft_tokens"] = plan.k

@@ -26,7 +26,7 @@ PLAIN = "plain"
 
 @dataclass
 class Sample:
-    """One timed generation: its tokens, wall seconds, and (our engine only) stats and profile."""
+    """One timed generation: its tokens, wall seconds, and (eagle3's own arms only) stats and profile."""
 
     token_ids: list[int]
     seconds: float
@@ -37,10 +37,10 @@ class Sample:
 Arm = Callable[[list[int]], Sample]
 
 
-def engine_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tree: Any = None,
-               temperature: float = 0.0) -> Arm:
-    """Our engine: `spec.generate` (chain drafts of K = k, a `tree` shape, or plain when `spec`
-    has no head), profiled. Sampled arms (temperature > 0) seed call n with n: reproducible."""
+def generate_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tree: Any = None,
+                 temperature: float = 0.0) -> Arm:
+    """An arm of eagle3's own: `spec.generate` (chain drafts of K = k, a `tree` shape, or plain
+    when `spec` has no head), profiled. Sampled arms (temperature > 0) seed call n with n."""
     calls = iter(range(1 << 62))
 
     def run(ids: list[int]) -> Sample:
@@ -155,7 +155,7 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     further backends' plain rows say in `matches_first_backend_plain` whether they equal
     the first's), and `cost_models` holds each backend's cost model.
 
-    The report's top-level DESIGN §4 keys describe the fastest fixed-K row of any backend
+    The report's top-level contract keys describe the fastest fixed-K row of any backend
     (`best_k`, `best_backend`) against the first backend's plain decoding;
     `outputs_identical` there is True only if every row of ours matched plain.
     """
@@ -169,27 +169,27 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     chosen = [k for k in ks] + (["auto"] if auto else [])
     for b, bspec in backends.items():
         plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
-        arms[label(b, PLAIN)] = engine_arm(plain_spec, max_new_tokens)
+        arms[label(b, PLAIN)] = generate_arm(plain_spec, max_new_tokens)
         plan.append((b, label(b, PLAIN), None, None))
         exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
         if bspec.draft is not None:
             for k in chosen:
                 if exported and isinstance(k, int) and k > bspec.max_draft_tokens:
                     continue
-                arms[label(b, f"K={k}")] = engine_arm(bspec, max_new_tokens, k)
+                arms[label(b, f"K={k}")] = generate_arm(bspec, max_new_tokens, k)
                 plan.append((b, label(b, f"K={k}"), k, None))
             for t in trees if not exported else ():
-                arms[label(b, tree_name(t))] = engine_arm(bspec, max_new_tokens, tree=t)
+                arms[label(b, tree_name(t))] = generate_arm(bspec, max_new_tokens, tree=t)
                 plan.append((b, label(b, tree_name(t)), None, t))
         if temperature > 0 and not exported:
             name = label(b, f"sampled plain T={temperature:g}")
             sampled.append((b, name, None, None))
-            arms[name] = engine_arm(plain_spec, max_new_tokens, temperature=temperature)
+            arms[name] = generate_arm(plain_spec, max_new_tokens, temperature=temperature)
             if bspec.draft is not None:
                 for k, t in [("auto", None)] + [(None, t) for t in trees]:
                     name = label(b, f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}")
                     sampled.append((b, name, k, t))
-                    arms[name] = engine_arm(bspec, max_new_tokens, k, t, temperature)
+                    arms[name] = generate_arm(bspec, max_new_tokens, k, t, temperature)
     arms.update(peers or {})
     # Calibrated before any timing: the automatic rows need it, and it must not land in a row.
     models = {b: cost_model(bspec) for b, bspec in backends.items() if bspec.draft is not None}

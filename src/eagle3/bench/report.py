@@ -52,7 +52,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"{s['prompts']} prompts x {s['repeats']} interleaved repetitions, up to "
               f"{s['max_new_tokens']} new tokens; medians over repetitions; per round = per target "
               "forward after the prefill (syncs/rd counts the prefill's sync too); accept per position "
-              "= accepted there / rounds that drafted there; our engine "
+              "= accepted there / rounds that drafted there; eagle3's rows "
               f"{'compiled (--compile)' if s.get('compiled') else 'eager'}, "
               f"{s.get('torch_threads', '?')} threads."]
     if len(s.get("backends", [])) > 1:

@@ -1,6 +1,6 @@
 """Acceptance: which of a round's drafted nodes the target keeps, and its next token.
 
-One function for every mode (DESIGN §2):
+One function for every mode:
     greedy chain / tree   the longest root-to-leaf path whose every token is the target's
                           argmax after its parent; the next token is the argmax after it
     sampled chain         speculative sampling against the draft's q (`sampling.speculative_accept`)

@@ -183,10 +183,33 @@ class RoundCosts:
                 "plain_ms": {str(b): round(v, 3) for b, v in self.plain.items()}}
 
 
+class Observed:
+    """Measured round times against the model's: per (batch size, plan), a running mean of
+    actual / predicted milliseconds. The forwards the model times leave out a round's host
+    work (scheduling, layouts, ragged catch-ups); this puts it back, as measured."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.ratio: dict[tuple[int, Plan], float] = {}
+
+    def record(self, B: int, plan: Plan, actual_ms: float, predicted_ms: float) -> None:
+        key, r = (B, plan), actual_ms / max(predicted_ms, 1e-6)
+        old = self.ratio.get(key)
+        self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
+
+    def scale(self, B: int, plan: Plan) -> float:
+        """The correction for this plan at this batch size (1 until it has run)."""
+        return self.ratio.get((B, plan), 1.0)
+
+
 def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
-                tree: TreeShape | None = None, min_k: int = 0) -> Plan:
+                tree: TreeShape | None = None, min_k: int = 0,
+                observed: Observed | None = None) -> Plan:
     """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0),
-    chains of min_k..kmax, and `tree` when given (ties: the cheaper, plain first)."""
+    chains of min_k..kmax, and `tree` when given (ties: the cheaper, plain first). With
+    `observed`, each plan's predicted time is corrected by its measured rounds: a plan whose
+    rounds ran slower than predicted loses its edge, and plain decoding (corrected or not)
+    is then picked wherever speculation no longer pays."""
     kmax = min(kmax, costs.max_T - 1)
     candidates = [Plan(k) for k in range(max(min_k, 0), kmax + 1)]
     if tree is not None and tree.total_tokens + 1 <= costs.max_T:
@@ -194,7 +217,8 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     best, best_rate = candidates[0], -1.0
     for plan in candidates:
         tau = (acceptance.tau_tree(plan.tree) if plan.tree is not None else acceptance.tau(plan.k))
-        rate = B * tau / costs.round_ms(B, plan)
+        ms = costs.round_ms(B, plan) * (observed.scale(B, plan) if observed is not None else 1.0)
+        rate = B * tau / ms
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = plan, rate
     return best

@@ -7,7 +7,7 @@ holds positions 0..P-1, its last output (`root` logits, `boundary` feature) pred
 the token after the anchor. A round with `Plan(k, tree)`:
 
     catch_up   teacher-force each row's pending tokens with their target features into
-               the draft (pegainfer's rebuild_after_verify): new root and boundary
+               the draft: its new root and boundary
     propose    a `Proposal` per row: k chain drafts (argmax, or sampled from the draft's
                q for sampled rows), or a dynamic tree (`decoding.tree.expand_tree`)
     verify     one target forward over [anchor, nodes] per row, ancestor masks, RoPE
@@ -19,7 +19,7 @@ the token after the anchor. A round with `Plan(k, tree)`:
                the accepted path's features queued for the next catch-up, stats
 
 The corrected/bonus token never gets a target forward of its own: it is the next
-round's anchor, so a round costs one target forward. Capacity (DESIGN §2): a row
+round's anchor, so a round costs one target forward. Capacity: a row
 verifies at most min(nodes, max_len - P - 2) nodes, so its commit always fits; at 0
 the round is a plain decoding step for that row, and `Plan()` (no drafts) is plain
 decoding. Host synchronisations: one per round for greedy rows (verify ids, drafts
@@ -43,7 +43,7 @@ from .types import Plan, Proposal, Verdict
 
 
 def empty_stats() -> dict[str, Any]:
-    """The speculation counters of one sequence (DESIGN §2, vLLM's names in the engine)."""
+    """The speculation counters of one sequence (the engine reports them with vLLM's names)."""
     return {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": [],
             "drafted_per_position": [], "mean_accept_len": 1.0, "accept_len_hist": [],
             "target_forwards": 0, "seconds": 0.0}

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head: `fc` over three target taps, then one Llama-style layer.
 
-One step (DESIGN §2):
+One step:
     residual = g                      (hidden_norm(g) if norm_before_residual)
     a = cat([input_layernorm(embed(tok)), hidden_norm(g)])       # (B, T, 2H)
     h = residual + o_proj(attn(q/k/v_proj(a)))                   # RoPE, causal

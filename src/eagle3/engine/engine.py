@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, choose_plan, probe_batch_sizes
+from ..decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts, choose_plan, probe_batch_sizes
 from ..decoding.request import MAX_NUM_DRAFT_TOKENS, SAMPLING_K, check_generation
 from ..decoding.round import Sequence, prefill, run_round
 from ..decoding.sampling import Sampler
@@ -93,6 +93,7 @@ class Engine:
         self.backend = PagedBackend(spec.target, spec.draft if self.speculate else None, spec.taps,
                                     self.pool)
         self.acceptance = Acceptance(max(self.kmax, 1))  # over all requests
+        self.observed = Observed()  # measured round times against the cost model's
         self.costs: RoundCosts | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -280,6 +281,7 @@ class Engine:
             return False
         batch = list(self.running)
         plan = self._choose_plan(batch)
+        t0 = time.perf_counter()
         try:
             verdicts = run_round(self.backend, [r.seq for r in batch], plan)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
@@ -287,6 +289,9 @@ class Engine:
             for r in batch:
                 self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
             return True
+        if self.costs is not None:
+            self.observed.record(len(batch), plan, (time.perf_counter() - t0) * 1e3,
+                                 self.costs.round_ms(len(batch), plan))
         key = "tree" if plan.tree is not None else plan.k
         self.k_history.setdefault(len(batch), {}).setdefault(key, 0)
         self.k_history[len(batch)][key] += 1
@@ -314,7 +319,8 @@ class Engine:
             return Plan(self.config.num_draft_tokens)
         if not self.automatic:
             return Plan(tree=self.tree)
-        return choose_plan(self.costs, self.acceptance, len(batch), self.kmax, self.tree)
+        return choose_plan(self.costs, self.acceptance, len(batch), self.kmax, self.tree,
+                           observed=self.observed)
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:

@@ -29,6 +29,7 @@ import torch
 
 from ..decoding.backend import Layout, region_mask
 from ..errors import Eagle3Error
+from ..kv import masked_attention
 from ..targets.decoder import slots_upto
 
 
@@ -130,6 +131,13 @@ class PagedKV:
         values = self.v[layer].index_select(0, read.reshape(-1)).view(B, S, nkv, hd).transpose(1, 2)
         return keys, values
 
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               write_slots: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Write k, v at `write_slots` (B, T); attend q over the prepared rows under `mask`."""
+        keys, values = self.update(layer, write_slots, k, v)
+        return masked_attention(q, keys, values, mask, scale, softcap)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` (N,) to slots `dst` (N,)."""

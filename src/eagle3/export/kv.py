@@ -24,7 +24,7 @@ def load_custom_ops() -> None:
 
 
 class ExportKVCache(nn.Module):
-    """Per-layer K/V buffers (1, S, n_kv, hd); `attend` replaces `cached_attention`'s update + SDPA."""
+    """Per-layer K/V buffers (1, S, n_kv, hd) and their `attend` (the caches' one attention entry)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -38,8 +38,12 @@ class ExportKVCache(nn.Module):
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               input_pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (B, nh, T, hd), k/v (B, n_kv, T, hd) after RoPE, at positions input_pos[0].. -> (B, T, nh*hd)."""
+               input_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """q (B, nh, T, hd), k/v (B, n_kv, T, hd) after RoPE, at positions input_pos[0].. -> (B, T, nh*hd).
+
+        Causal from input_pos[0] by construction: `mask` and `kv_len` are not needed (export
+        refuses the trees, windows and soft-capping they would express)."""
         B, nh, T, hd = q.shape
         start = input_pos[0].item()
         torch._check(start >= 0)

@@ -1,7 +1,7 @@
 """`eagle3 export`: torch.export the speculator's methods and lower them to one ExecuTorch program.
 
 The program holds the four methods of ExecuTorch's `Eagle3Speculator` contract
-(DESIGN §4) over shared state, the caches being mutable buffers that every method
+over shared state, the caches being mutable buffers that every method
 reads and writes in place (`share_mutable_buffers`), plus `draft_step` (draft_decode
 of one token, static) and `plain_decode` (decode without the taps: plain decoding):
 

@@ -113,38 +113,21 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
                      cache: StaticKVCache, layer: int, kv_len: int, scale: float | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """RoPE, write K/V to `cache` at `input_pos`, attend over slots [0, kv_len).
+    """RoPE, then the cache's one attention entry point (`attend`: write K/V at `input_pos`,
+    attend over slots [0, kv_len) under `mask`), whatever the cache: static (`kv.StaticKVCache`),
+    paged (`engine.kv.PagedKV`) or an exported program's (`export.kv.ExportKVCache`).
 
     q (B, T, nh, hd), k/v (B, T, nkv, hd), mask (T, kv_len) bool -> (B, T, nh*hd).
     The engine's ragged batches pass per-row cos/sin (B, T, hd), a (B, 1, T, kv_len)
     mask and (B, T) write slots, which its paged cache interprets.
     """
-    B, T, nh, hd = q.shape
-    nkv = k.shape[2]
+    hd = q.shape[-1]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
     if cos.dim() == 3:  # per-row positions (B, T, hd): the engine's ragged batches
         cos, sin = cos[:, None], sin[:, None]
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
-    scale = scale or hd ** -0.5
-    if hasattr(cache, "attend"):  # an exported program's cache brings its own kernels (export/kv.py)
-        return cache.attend(layer, q, k, v, input_pos, scale)
-    keys, values = cache.update(layer, input_pos, k, v)  # (B, nkv, S, hd)
-    keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-    if softcap is None:
-        # enable_gqa: grouped heads without copying K/V (faster here than folding the groups
-        # into rows, and its output views stay exportable with a dynamic T).
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=nh != nkv)  # (B, nh, T, hd)
-    else:
-        # Soft-capping needs the scores: fold each KV group's query heads into the row axis.
-        g = nh // nkv
-        scores = (q.reshape(B, nkv, g * T, hd) @ keys.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask.repeat(*[1] * (mask.dim() - 2), g, 1), float("-inf"))
-        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
-        out = out.reshape(B, nh, T, hd)
-    return out.transpose(1, 2).reshape(B, T, nh * hd)
+    return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap)
 
 
 class MLP(nn.Module):
