@@ -114,9 +114,12 @@ class PagedKV:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.read_slots: torch.Tensor | None = None  # (B, S), set per forward
+        self.read_start: int | None = None  # one row whose slots are consecutive: its first
 
-    def prepare(self, read_slots: torch.Tensor) -> None:
-        self.read_slots = read_slots
+    def prepare(self, read_slots: torch.Tensor, start: int | None = None) -> None:
+        """The rows' slots for this forward; `start` when one row reads consecutive slots
+        start..start+S-1, which are then a view rather than a gathered copy."""
+        self.read_slots, self.read_start = read_slots, start
 
     def update(self, layer: int, write_slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +130,10 @@ class PagedKV:
         self.v[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, nkv, hd))
         read = self.read_slots
         S = read.shape[1]
+        if self.read_start is not None:  # no copy: the row's K/V are one slice of the pool
+            s0 = self.read_start
+            return (self.k[layer][s0:s0 + S].view(1, S, nkv, hd).transpose(1, 2),
+                    self.v[layer][s0:s0 + S].view(1, S, nkv, hd).transpose(1, 2))
         keys = self.k[layer].index_select(0, read.reshape(-1)).view(B, S, nkv, hd).transpose(1, 2)
         values = self.v[layer].index_select(0, read.reshape(-1)).view(B, S, nkv, hd).transpose(1, 2)
         return keys, values
@@ -210,7 +217,7 @@ class PagedBackend:
             dc = draft.config
             self.dkv = PagedKV(1, pool.total_tokens, dc.num_key_value_heads, dc.head_dim,
                                dtype=draft.fc.weight.dtype, device=w.device)
-        self._table, self._table_key = None, None
+        self._table, self._table_key, self._start = None, None, None
         self.supports_trees = True
 
     def _place(self, seqs: list[Any], layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
@@ -218,13 +225,17 @@ class PagedBackend:
         key = (tuple(rids), self.pool.version)
         if self._table_key != key:  # read tables cached until the rows or their pages change
             self._table, self._table_key = read_table(self.pool, rids), key
+            row = self._table[0]
+            # One row on consecutive slots (a lone request's pages usually are): read a view.
+            self._start = (int(row[0]) if len(rids) == 1 and bool((row.diff() == 1).all())
+                           else None)
         return place(self._table, self.pool.trash, layout, T, self.device)
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
                with_features: bool = True,
                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         write, read, rope, mask, key_pos = self._place(seqs, layout, tokens.shape[1])
-        self.tkv.prepare(read)
+        self.tkv.prepare(read, self._start)
         logits, taps = self.target_model.forward_logits_taps(
             tokens, write, self.tkv, attn_mask=mask, rope_pos=rope, key_pos=key_pos,
             key_slots=slots_upto(read.shape[1], self.device), last_only=last_only,
@@ -234,7 +245,7 @@ class PagedBackend:
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         write, read, rope, mask, _ = self._place(seqs, layout, tokens.shape[1])
-        self.dkv.prepare(read)
+        self.dkv.prepare(read, self._start)
         return self.draft_model(tokens, features, write, self.dkv, attn_mask=mask, rope_pos=rope,
                                 key_slots=slots_upto(read.shape[1], self.device))
 
