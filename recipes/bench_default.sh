@@ -13,3 +13,6 @@ for SET in sharegpt-heldout humaneval; do
     --repeats "$REPEATS" --threads 2 --json "docs/bench/default-$SET.json" \
     --plots "docs/bench/default-$SET" | tee "docs/bench/default-$SET.md"
 done
+# The serving table: the engine at concurrency 1, 4, 8 (speculation off vs on, and generate).
+.venv/bin/eagle3 bench --concurrency 1,4,8 --limit "$LIMIT" --max-new-tokens 64 --repeats 3 \
+  --threads 2 --json docs/bench/default-concurrency.json | tee docs/bench/default-concurrency.md

@@ -173,13 +173,15 @@ class Eagle3Speculator:
 
     def calibrate(self) -> RoundCosts:
         """Measure the cost model on this machine and backend (about a second on a small model;
-        once per speculator, and again after `compile()`); automatic K needs it. `generate`
-        calls it before its clock starts when needed."""
+        once per speculator, and again after `compile()`, which then also compiles every K's
+        chain); automatic K needs it. `generate` calls it before its clock starts when needed."""
         if self.costs is None:
             max_T = self.max_auto_k + 1
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
             self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context,
                                             repeats=5)
+            if getattr(self.backend, "fused_chain", None) is not None and self.draft is not None:
+                self.backend.warm_chains(self.max_auto_k, context)  # no compiling inside a generation
         return self.costs
 
     @property

@@ -121,6 +121,8 @@ class StaticBackend:
         self._target_step = self._eager_target
         self._draft_step = self._eager_draft
         self.compiled = False
+        # compile() adds a fused greedy chain: catch-up + K-1 draft steps as one graph.
+        self.fused_chain: Any = None
 
     # -- the two step functions (swapped by compile) --------------------------------------------
     def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
@@ -157,10 +159,50 @@ class StaticBackend:
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4 * RECOMPILE_LIMIT)
         target = torch.compile(self._eager_target, fullgraph=True)
         draft = torch.compile(self._eager_draft, fullgraph=True)
+        chain = torch.compile(self._chain_steps, fullgraph=True)
         self.compiled = True
         self._target_step = lambda *a: target(*_dense(a[:6], {2: 0, 3: 1, 5: 0}), *a[6:])
         self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
+        self.fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(
+            self._chain_args(tokens, feats, start, used, k), {3: 0}))
         return self
+
+    @torch.no_grad()
+    def warm_chains(self, kmax: int, start: int) -> None:
+        """Compile the fused chain for every K in 1..kmax now (as automatic K may switch to any),
+        at positions from `start` (their contents are scratch, overwritten by the next prefill)."""
+        H = self.draft_model.config.hidden_size
+        feats = torch.zeros(1, kmax + 1, H, dtype=self.draft_model.fc.weight.dtype, device=self.device)
+        tokens = torch.zeros(1, kmax + 1, dtype=torch.long, device=self.device)
+        for k in range(1, kmax + 1):
+            self.fused_chain(tokens[:, :k + 1], feats[:, :k + 1], start, 0, k)
+
+    def _chain_args(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, used: int,
+                    k: int) -> tuple[torch.Tensor, ...]:
+        R, dev = tokens.shape[1], self.device
+        p = start + used + 1  # the first chain step's position
+        key_slots = slots_upto(max(start + R, p + k - 1), dev)
+        return (tokens, feats, key_slots[start:start + R], key_slots,
+                torch.tensor([used], device=dev), slots_upto(p + k - 1, dev)[p:])
+
+    def _chain_steps(self, tokens: torch.Tensor, feats: torch.Tensor, seed_slots: torch.Tensor,
+                     key_slots: torch.Tensor, used: torch.Tensor,
+                     step_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Catch up tokens (1, R) with features at `seed_slots`; from row `used` (the last real
+        one; later rows are padding that the steps overwrite, causal attention never reading
+        them first) draft greedily one token per step slot. Returns drafts (1, k) in target
+        ids, the root logits (Vd,) and its feature (H,)."""
+        draft = self.draft_model
+        logits, h = draft(tokens, feats, seed_slots, self.draft_cache, key_slots=key_slots)
+        root, feat = logits.index_select(1, used), h.index_select(1, used)  # (1, 1, Vd), (1, 1, H)
+        ids = draft.to_target_ids(root.argmax(-1))  # (1, 1)
+        out = [ids]
+        for i in range(step_slots.shape[0]):  # unrolled: k is static
+            step_logits, feat = draft(ids, feat, step_slots[i:i + 1], self.draft_cache,
+                                      key_slots=key_slots)
+            ids = draft.to_target_ids(step_logits.argmax(-1))
+            out.append(ids)
+        return torch.cat(out, dim=1), root[0, 0], h.index_select(1, used)[0, 0]
 
     # -- the Backend protocol -------------------------------------------------------------------
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:

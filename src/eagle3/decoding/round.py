@@ -111,14 +111,17 @@ class Sequence:
         return self.max_new_tokens - len(self.out)
 
 
-def grant(seq: Sequence, plan: Plan, max_len: int) -> int:
-    """Draft nodes this row may verify this round (0: it decodes plainly)."""
+def grant(seq: Sequence, plan: Plan, max_len: int, fixed_shapes: bool = False) -> int:
+    """Draft nodes this row may verify this round (0: it decodes plainly). With `fixed_shapes`
+    (compiled steps: one graph per K) a chain keeps K up to the cache's end rather than
+    shrinking near max_new_tokens; the surplus drafts are verified and dropped, and not
+    counted in the stats."""
     if not plan.drafts or not seq.drafts or seq.root is None and not seq.pending_ids:
         return 0
     fits = max_len - seq.target_len - 2  # the commit (<= nodes + 1 tokens) must fit the cache
     if plan.tree is not None:
         return max(0, min(plan.tree.total_tokens, fits))
-    return max(0, min(plan.k, fits, seq.room() - 1))
+    return max(0, min(plan.k, fits, fits if fixed_shapes else seq.room() - 1))
 
 
 def draft_span(plan: Plan) -> int:
@@ -216,6 +219,28 @@ def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int
     errors: dict[int, str] = {}
     tokens, qs = draft_chain(backend, rows, root, boundary, starts, max(counts), counts, errors)
     return Proposal(*chain_proposal(tokens), q=qs, counts=counts, errors=errors, tree=False)
+
+
+def fusable(backend: Backend, plan: Plan, rows: list[Sequence]) -> bool:
+    """Whether the backend's fused greedy chain (compiled steps) serves this group."""
+    return (getattr(backend, "fused_chain", None) is not None and plan.tree is None
+            and len(rows) == 1 and rows[0].sampler is None and bool(rows[0].pending_ids))
+
+
+def propose_fused(backend: Backend, s: Sequence, plan: Plan, count: int) -> Proposal:
+    """catch_up + a greedy chain of `count` drafts as one backend call. The catch-up runs over
+    a fixed plan.k + 1 rows (padding repeats the last token and feature), so a compiled
+    backend keeps one graph per K whatever the last round accepted."""
+    n = len(s.pending_ids)
+    R = max(n, min(plan.k + 1, backend.max_len - s.draft_len))
+    tokens = torch.tensor([s.pending_ids + s.pending_ids[-1:] * (R - n)], device=backend.device)
+    f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
+    if R > n:
+        f = torch.cat([f, f[-1:].expand(R - n, -1)])
+    drafts, s.root, s.boundary = backend.fused_chain(tokens, f[None], s.draft_len, n - 1, count)
+    s.draft_len += n
+    s.pending_ids, s.pending_feats = [], []
+    return Proposal(*chain_proposal(drafts), q=[None], counts=[count], tree=False)
 
 
 def draft_chain(backend: Backend, rows: list[Sequence], root: torch.Tensor, boundary: torch.Tensor,
@@ -325,7 +350,8 @@ def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdic
     prof = active()
     prof.tic()
     plans = [s.plan or plan for s in seqs]
-    grants = [grant(s, p, backend.max_len) for s, p in zip(seqs, plans, strict=True)]
+    fixed = bool(getattr(backend, "compiled", False))
+    grants = [grant(s, p, backend.max_len, fixed) for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
         backend.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
     # Rows draft together when their drafts are the same function of their own state: one plan,
@@ -337,10 +363,14 @@ def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdic
             groups.setdefault((p, min(p.tree.depth, n) if p.tree else 0), []).append(b)
     proposals = []
     if groups:
-        catch_up(backend, [seqs[b] for rows in groups.values() for b in rows],
+        fused = {key for key, rows in groups.items() if fusable(backend, key[0], [seqs[b] for b in rows])}
+        catch_up(backend, [seqs[b] for key, rows in groups.items() if key not in fused for b in rows],
                  alone_over=max(grants) + 1)
-        for (p, _), rows in groups.items():
-            proposal = propose(backend, [seqs[b] for b in rows], p, [grants[b] for b in rows])
+        for key, rows in groups.items():
+            if key in fused:
+                proposal = propose_fused(backend, seqs[rows[0]], key[0], grants[rows[0]])
+            else:
+                proposal = propose(backend, [seqs[b] for b in rows], key[0], [grants[b] for b in rows])
             proposal.rows = rows
             proposals.append(proposal)
         prof.toc("draft", proposals[-1].tokens)
