@@ -121,8 +121,10 @@ class StaticBackend:
         self._target_step = self._eager_target
         self._draft_step = self._eager_draft
         self.compiled = False
-        # compile() adds a fused greedy chain: catch-up + K-1 draft steps as one graph.
+        # compile() adds a fused greedy chain (catch-up + K-1 draft steps) and a fused tree
+        # draft (every level), each one graph.
         self.fused_chain: Any = None
+        self.fused_tree: Any = None
 
     # -- the two step functions (swapped by compile) --------------------------------------------
     def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
@@ -165,7 +167,34 @@ class StaticBackend:
         self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
         self.fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(
             self._chain_args(tokens, feats, start, used, k), {3: 0}))
+        tree = torch.compile(self._tree_steps, fullgraph=True)
+
+        def fused_tree(root: torch.Tensor, boundary: torch.Tensor, start: int, k: int, depth: int,
+                       n: int) -> tuple[torch.Tensor, ...]:
+            key_slots = slots_upto(start + k * (depth - 1), self.device)
+            p0 = torch.tensor([start], device=self.device)
+            return tree(*_dense((root, boundary, p0, key_slots), {3: 0}), k, depth, n)
+
+        self.fused_tree = fused_tree
         return self
+
+    def _tree_steps(self, root: torch.Tensor, boundary: torch.Tensor, p0: torch.Tensor,
+                    key_slots: torch.Tensor, k: int, depth: int, n: int) -> tuple[torch.Tensor, ...]:
+        """`decoding.tree.expand_tree` for one row at position p0 (a tensor: no graph per
+        position), its levels' masks built here over `key_slots` = arange(p0 + scratch)."""
+        from .tree import expand_tree
+
+        cols = key_slots - p0  # (S,) a key's offset from the row's start (< 0: committed)
+
+        def step(tokens: torch.Tensor, feats: torch.Tensor, layout: Layout):
+            region = layout.region[0]  # (k, R)
+            R = region.shape[-1]
+            seen = region.gather(1, cols.clamp(0, R - 1).expand(region.shape[0], -1))
+            mask = (cols < 0) | (seen & (cols >= 0) & (cols < R))  # (k, S)
+            return self.draft_model(tokens, feats, p0 + layout.offsets, self.draft_cache,
+                                    key_slots=key_slots, attn_mask=mask, rope_pos=p0 + layout.rope[0])
+
+        return expand_tree(step, self.draft_model.to_target_ids, root, boundary, [0], k, depth, n)
 
     @torch.no_grad()
     def warm_chains(self, kmax: int, start: int) -> None:

@@ -212,6 +212,10 @@ def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int
         # positions are capped at the cache's end all the same.
         depth = min(shape.depth, max(counts))
         n = min(shape.total_tokens, TreeShape(shape.top_k, depth).max_nodes)  # >= every count
+        fused = getattr(backend, "fused_tree", None)
+        if fused is not None and len(rows) == 1 and depth == shape.depth:  # full size: one graph
+            t = fused(root, boundary, starts[0], shape.top_k, depth, n)
+            return Proposal(*t, q=[None], counts=counts)
         t = expand_tree(lambda tok, feat, lay: backend.draft(rows, tok, feat, lay),
                         backend.to_target_ids, root, boundary, starts, shape.top_k, depth, n,
                         [backend.max_len - 1 - p for p in starts])
