@@ -53,3 +53,15 @@ def test_device_errors(bigram):
                                                   else "CUDA device")):
         with pytest.raises(eagle3.Eagle3Error, match=msg):
             eagle3.load(bigram, "none", device=bad)
+
+
+def test_device_errors_on_the_command_line(bigram, capsys):
+    from eagle3.cli import main
+
+    for argv in (["generate", "--target", bigram, "--draft", "none", "--prompt-ids", "1,2", "--device", "tpu"],
+                 ["serve", "--target", bigram, "--draft", "none", "--tree", "--num-draft-tokens", "3"],
+                 ["export", "--target", bigram, "--out", "/tmp/never-written", "--device", "cuda"]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("eagle3: error:") and "\n" not in err and "Traceback" not in err, err

@@ -180,7 +180,7 @@ class Eagle3Speculator:
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
             self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context,
                                             repeats=5)
-            if getattr(self.backend, "fused_chain", None) is not None and self.draft is not None:
+            if self.backend.fused_chain is not None and self.draft is not None:
                 self.backend.warm_chains(self.max_auto_k, context)  # no compiling inside a generation
         return self.costs
 

@@ -25,7 +25,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         session.close()
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ch = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, speculating)",
                         description="An interactive multi-turn chat with the model's chat template; "

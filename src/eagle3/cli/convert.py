@@ -13,7 +13,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("convert", help="convert an EAGLE-3 head between formats",
                        description="Convert an EAGLE-3 head between the official EAGLE release, "

@@ -36,7 +36,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="export target + head to an ExecuTorch program (XNNPACK)",
                        description="torch.export the speculator's prefill / target_verify / "

@@ -12,7 +12,6 @@ from .args import DRAFT_HELP, add_target_args, add_tree_args, decoding_kwargs, i
 DEFAULT_PROMPT = "def parse_args(argv):"
 
 
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import eagle3
 
@@ -89,7 +88,6 @@ def _compare_plain(spec, ids, args, result, stats: dict) -> None:
     # Sampled outputs differ between plain and speculative runs (other random draws); the
     # distribution is what is lossless (tests/test_sampling.py).
     stats["outputs_identical"] = same if args.temperature == 0 else None
-
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -19,7 +19,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("inspect", help="describe a target (directory, .gguf, model name) or a head",
                        description="Describe a target or head. Targets (checkpoint directory, .gguf "

@@ -21,7 +21,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("models", help="list the models eagle3 knows by name",
                        description="The registered model names (--target NAME), where their weights "

@@ -68,7 +68,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (batched speculation)",
                        description="Serve the model over an OpenAI-compatible HTTP API: POST "

@@ -32,7 +32,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target (training-time test)",
                        description="Train an EAGLE-3 head: the target regenerates responses to the "

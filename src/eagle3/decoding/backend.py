@@ -78,6 +78,9 @@ class Backend(Protocol):
     device: torch.device
     max_len: int
     has_draft: bool
+    fixed_shapes: bool  # True: keep each round's shapes fixed (compiled steps, one graph per K)
+    fused_chain: Any  # None, or catch-up + a greedy chain in one call (`StaticBackend.compile`)
+    fused_tree: Any  # None, or a full-size tree draft in one call
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
                with_features: bool = True,
@@ -125,6 +128,7 @@ class StaticBackend:
         # draft (every level), each one graph.
         self.fused_chain: Any = None
         self.fused_tree: Any = None
+        self.fixed_shapes = False
 
     # -- the two step functions (swapped by compile) --------------------------------------------
     def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
@@ -162,7 +166,7 @@ class StaticBackend:
         target = torch.compile(self._eager_target, fullgraph=True)
         draft = torch.compile(self._eager_draft, fullgraph=True)
         chain = torch.compile(self._chain_steps, fullgraph=True)
-        self.compiled = True
+        self.compiled = self.fixed_shapes = True
         self._target_step = lambda *a: target(*_dense(a[:6], {2: 0, 3: 1, 5: 0}), *a[6:])
         self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
         self.fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(

@@ -212,9 +212,8 @@ def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int
         # positions are capped at the cache's end all the same.
         depth = min(shape.depth, max(counts))
         n = min(shape.total_tokens, TreeShape(shape.top_k, depth).max_nodes)  # >= every count
-        fused = getattr(backend, "fused_tree", None)
-        if fused is not None and len(rows) == 1 and depth == shape.depth:  # full size: one graph
-            t = fused(root, boundary, starts[0], shape.top_k, depth, n)
+        if backend.fused_tree is not None and len(rows) == 1 and depth == shape.depth:  # one graph
+            t = backend.fused_tree(root, boundary, starts[0], shape.top_k, depth, n)
             return Proposal(*t, q=[None], counts=counts)
         t = expand_tree(lambda tok, feat, lay: backend.draft(rows, tok, feat, lay),
                         backend.to_target_ids, root, boundary, starts, shape.top_k, depth, n,
@@ -227,7 +226,7 @@ def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int
 
 def fusable(backend: Backend, plan: Plan, rows: list[Sequence]) -> bool:
     """Whether the backend's fused greedy chain (compiled steps) serves this group."""
-    return (getattr(backend, "fused_chain", None) is not None and plan.tree is None
+    return (backend.fused_chain is not None and plan.tree is None
             and len(rows) == 1 and rows[0].sampler is None and bool(rows[0].pending_ids))
 
 
@@ -354,8 +353,8 @@ def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdic
     prof = active()
     prof.tic()
     plans = [s.plan or plan for s in seqs]
-    fixed = bool(getattr(backend, "compiled", False))
-    grants = [grant(s, p, backend.max_len, fixed) for s, p in zip(seqs, plans, strict=True)]
+    grants = [grant(s, p, backend.max_len, backend.fixed_shapes)
+              for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
         backend.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
     # Rows draft together when their drafts are the same function of their own state: one plan,

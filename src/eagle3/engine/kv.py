@@ -219,6 +219,7 @@ class PagedBackend:
                                dtype=draft.fc.weight.dtype, device=w.device)
         self._table, self._table_key, self._start = None, None, None
         self.supports_trees = True
+        self.fixed_shapes, self.fused_chain, self.fused_tree = False, None, None
 
     def _place(self, seqs: list[Any], layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
         rids = [s.id for s in seqs]

@@ -81,6 +81,7 @@ class ProgramBackend:
         self.max_draft_tokens = meta["max_draft_tokens"]
         self.has_draft = speculate
         self.supports_trees = False
+        self.fixed_shapes, self.fused_chain, self.fused_tree = False, None, None
         self.target_cache = SlotBook(self.max_len)  # the contract methods' checks
         self.draft_cache = SlotBook(self.max_len) if speculate else None
 
