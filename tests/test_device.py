@@ -58,7 +58,8 @@ def test_device_errors(bigram):
 def test_device_errors_on_the_command_line(bigram, capsys):
     from eagle3.cli import main
 
-    for argv in (["generate", "--target", bigram, "--draft", "none", "--prompt-ids", "1,2", "--device", "tpu"],
+    for argv in (["generate", "--target", bigram, "--draft", "none", "--prompt-ids", "1,2",
+                  "--device", "tpu"],
                  ["serve", "--target", bigram, "--draft", "none", "--tree", "--num-draft-tokens", "3"],
                  ["export", "--target", bigram, "--out", "/tmp/never-written", "--device", "cuda"]):
         capsys.readouterr()
