@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint fast clean
+.PHONY: run test lint fast clean llama.cpp
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP) lint
 
 fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests
+
+# The llama.cpp peer for `eagle3 bench --peers llama.cpp` (~15 min on 2 cores; resumable).
+llama.cpp: $(STAMP)
+	scripts/build_llama_cpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -72,8 +72,10 @@ def test_smollm2_matches_transformers_gguf_loader(spec, oracle):
         got, feats = spec.target(x, torch.arange(len(ids)), spec.target.new_cache(1, 128), kv_len=len(ids))
     torch.testing.assert_close(got, ref.logits, atol=1e-4, rtol=1e-4)
     for i, k in enumerate(taps):
+        # 2e-4: the residual stream grows with depth, and the row-invariant kernels sum in
+        # another order than transformers' matmuls (measured: one element of 17856 at 1.2e-4).
         torch.testing.assert_close(feats[..., i * 576:(i + 1) * 576], ref.hidden_states[k],
-                                   atol=1e-4, rtol=1e-4)
+                                   atol=2e-4, rtol=1e-4)
     if spec.draft is not None:
         spec.target.tap_layers = spec.taps
     want = model.generate(x, max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)

@@ -36,7 +36,9 @@ def test_gemma3_270m_matches_transformers():
         want = ref(ids).logits
         got, _ = spec.target(ids, torch.arange(600), spec.target.new_cache(1, 640), kv_len=600,
                              with_taps=False)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # 2e-4: the row-invariant kernels sum in another order than transformers' matmuls
+    # (measured: 5 of 157M logits between 1e-4 and 1.2e-4, over 600 positions of Gemma 3).
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     prompt = hf_tok("The capital of France is")["input_ids"]
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                        min_new_tokens=20, pad_token_id=0)

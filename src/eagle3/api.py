@@ -7,15 +7,17 @@ import os
 import torch
 
 from .errors import Eagle3Error
+from .kernels import parse_quantize, prepare_target
 from .speculator import Eagle3Speculator
 from .targets import load_target, resolve_dtype
+from .targets.decoder import NativeTarget
 from .tokenizer import load_tokenizer
 
 
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
          backend: str = "auto", max_seq_len: int | None = None, taps=None,
          compile: bool = False, program: str | None = None,
-         device: str | torch.device | None = None) -> Eagle3Speculator:
+         device: str | torch.device | None = None, quantize: str | None = None) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
     draft: a head directory; None (the default head for 'default', else no
@@ -28,6 +30,10 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
     native backend only). device: where the target and head run ('cpu' default, 'cuda',
     'cuda:1', ...); every tensor the decoding round builds lives there too.
+    quantize: the native target's weight format (`kernels.prepare_target`): None = float32
+    through the row-invariant kernels (speculative output bit-identical to plain decoding);
+    'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'none' =
+    stock PyTorch layers. The head takes the same format when quantized.
     """
     from .default import default_head_dir
     from .draft import attach_head, load_head
@@ -35,7 +41,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     if not isinstance(target, str) or not target:
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
     dev = resolve_device(device)
+    parse_quantize(quantize)  # a bad name fails before any loading
     if backend == "executorch" or program is not None:
+        if quantize not in (None, "none"):
+            raise Eagle3Error("an exported program's weight format is chosen at export "
+                              "(eagle3 export --quantize); drop quantize")
         if dev.type != "cpu":
             raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
         return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program)
@@ -62,6 +72,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         tgt.to(dev)
         if head is not None:
             head.to(dev)
+    if isinstance(tgt, NativeTarget):
+        prepare_target(tgt, quantize, head)
+    elif quantize not in (None, "none"):
+        raise Eagle3Error("quantize needs the native backend (this target runs through "
+                          "transformers); use backend='native' or 'auto'")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return spec.compile() if compile else spec
 

@@ -13,13 +13,21 @@ import torch
 import torch.nn.functional as F
 
 from .errors import Eagle3Error
+from .kernels import row_invariant_attention
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: float | None = None) -> torch.Tensor:
-    """q (B, nh, T, hd) over keys/values (B, nkv, S, hd) where `mask` (.., T, S) is True -> (B, T, nh*hd)."""
+                     scale: float, softcap: float | None = None, exact: bool = False) -> torch.Tensor:
+    """q (B, nh, T, hd) over keys/values (B, nkv, S, hd) where `mask` (.., T, S) is True -> (B, T, nh*hd).
+
+    `exact`: compute each query row on its own (`kernels.attention`, where it runs), so a
+    row's result does not depend on how many rows share the call; SDPA's does.
+    """
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]
+    if exact and row_invariant_attention(q):
+        m = mask.reshape(-1, T, mask.shape[-1]).expand(B, T, mask.shape[-1])  # (B, T, S)
+        return torch.ops.eagle3.attention(q, keys, values, m, scale, softcap or 0.0)
     if softcap is None:
         # enable_gqa: grouped heads without copying K/V (faster here than folding the groups
         # into rows, and its output views stay exportable with a dynamic T).
@@ -76,7 +84,8 @@ class StaticKVCache(SlotBook):
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int,
                  head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", exact: bool = False) -> None:
+        self.exact = exact  # row-invariant attention (see `masked_attention`)
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -94,7 +103,8 @@ class StaticKVCache(SlotBook):
                softcap: float | None = None) -> torch.Tensor:
         """Write k, v at `input_pos`; attend q over slots [0, kv_len) under `mask` (T, kv_len)."""
         keys, values = self.update(layer, input_pos, k, v)
-        return masked_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], mask, scale, softcap)
+        return masked_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], mask, scale, softcap,
+                                self.exact)
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""

@@ -26,9 +26,19 @@ def num_draft_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
 
 
-def add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: bool = False) -> None:
-    """--target, --backend, --program, --dtype, --max-seq-len. `backends`: bench's comma-separated
-    list; `engine`: the serving engine's eager native backends only (no --program)."""
+QUANTIZE_HELP = ("weight format of the native target's linear layers (and the head's): fp32 "
+                 "(default), bf16, int8 (per channel), int4 (groups of 32; int4-g64, int8-g32 set "
+                 "the group), gguf (a .gguf target's Q8_0/Q4_0/Q4_1 codes as stored, other types "
+                 "to the nearest format), or none (stock PyTorch layers). Every format but none runs "
+                 "row-invariant kernels: speculative output is bit-identical to plain decoding "
+                 "in the same format. Activations stay float32 (bf16 inside the packed matmuls)")
+
+
+def add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: bool = False,
+                    quantize: bool = True) -> None:
+    """--target, --backend, --program, --dtype, --device, --max-seq-len, --quantize. `backends`:
+    bench's comma-separated list; `engine`: the serving engine's eager native backends only
+    (no --program); `quantize`: offer --quantize (export has its own)."""
     p.add_argument("--target", default="default",
                    help="target: a checkpoint directory (Hugging Face layout), a .gguf file (or a "
                         "directory holding one), a model name (eagle3 models: smollm2-135m-instruct, "
@@ -56,6 +66,11 @@ def add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: 
                    help="where the target and head run: cpu (default), cuda, cuda:N")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
+    if quantize:
+        p.add_argument("--quantize", default=None, metavar="FORMAT",
+                       help=QUANTIZE_HELP + (". bench: a comma-separated list (e.g. fp32,int4,gguf), "
+                                             "each format its own rows in the same run"
+                                             if backends else ""))
 
 
 def add_tree_args(p: argparse.ArgumentParser, tree_help: str) -> None:

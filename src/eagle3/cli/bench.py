@@ -147,6 +147,18 @@ def parse_backends(args: argparse.Namespace) -> list[tuple[str, str]]:
             ("eager", "auto" if w == "eager" else w) for w in words]
 
 
+def parse_formats(text: str | None) -> list[str | None]:
+    """--quantize for bench: a comma-separated list of weight formats, each measured as its
+    own eager backend in the same interleaved run (None: the default, float32)."""
+    from ..kernels import parse_quantize
+
+    words = [w.strip() for w in (text or "").split(",") if w.strip()]
+    for w in words:
+        parse_quantize(w)  # one-line error for a bad name
+    words = [None if w in ("fp32", "float32") else w for w in words]
+    return list(dict.fromkeys(words)) or [None]
+
+
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
     """The peers to run; the default skips them (with a note) when transformers is missing."""
     from ..bench import peers
@@ -268,27 +280,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     backends = {}
+    formats = parse_formats(args.quantize)
     for name, backend in parse_backends(args):
         if name == "executorch":
             backends[name] = eagle3.load(args.target, "none" if args.draft == "none" else None,
                                          backend="executorch", program=args.program)
-        else:
-            backends[name] = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=backend,
-                                         max_seq_len=args.max_seq_len, taps=args.taps,
-                                         compile=args.compile, device=args.device)
+            continue
+        for fmt in formats:  # one eager backend per weight format, side by side
+            key = name if len(formats) == 1 else f"{name}:{fmt or 'fp32'}"
+            backends[key] = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=backend,
+                                        max_seq_len=args.max_seq_len, taps=args.taps,
+                                        compile=args.compile, device=args.device, quantize=fmt)
     spec = next(iter(backends.values()))
+    eager_key = next((k for k in backends if k.startswith("eager")), None)
     if spec.draft is None:
         notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
     arms = {}
-    if peer_names and "eager" not in backends:
+    if peer_names and eager_key is None:
         if args.peers is not None:
             raise Eagle3Error("the transformers peers need the eager backend in --backend; add "
                               "eager or pass --peers none")
         notes.append("no eager backend: skipping the transformers peers")
         peer_names = []
     if peer_names:
-        tgt = backends["eager"].target
+        tgt = backends[eager_key].target
         model = (tgt.model if isinstance(tgt, HFTarget) else
                  peers.load_model(default_target_dir() if args.target == "default" else args.target,
                                   resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
@@ -304,7 +320,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               compiled=args.compile,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
                               device=str(spec.target.embedding_weight.device),
-                              program=args.program)
+                              program=args.program,
+                              weight_formats={k: getattr(b.target, "weight_format", None)
+                                              for k, b in backends.items()})
     report["notes"] = notes
     print(markdown(report))
     if args.json:
@@ -343,7 +361,8 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
-                       max_seq_len=args.max_seq_len, taps=args.taps, device=args.device)
+                       max_seq_len=args.max_seq_len, taps=args.taps, device=args.device,
+                       quantize=args.quantize)
     if spec.draft is None:
         raise Eagle3Error("--concurrency compares speculation off vs on: it needs a draft head (--draft DIR)")
     trees = parse_trees(args.tree) if k is None else []  # a fixed K measures chains only

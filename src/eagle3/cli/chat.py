@@ -16,6 +16,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise Eagle3Error("--max-new-tokens must be >= 1")
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       quantize=args.quantize,
                        max_seq_len=args.max_seq_len, device=args.device)
     session = ChatSession(spec, system=args.system, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed)

@@ -25,7 +25,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.device not in (None, "cpu"):
         raise Eagle3Error("export lowers for the CPU (XNNPACK); drop --device")
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
-                       max_seq_len=args.max_seq_len, taps=args.taps)
+                       max_seq_len=args.max_seq_len, taps=args.taps, quantize="none")
     tdir = os.path.dirname(spec.tokenizer.path) if spec.tokenizer is not None else None
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"eagle3: {msg}", file=sys.stderr))
     export_program(spec, args.out, max_seq_len=args.max_seq_len,
@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "d2t) and the target's tokenizer. Run it with `eagle3 generate --backend "
                        "executorch --program OUT`. Needs pip install 'eagle3[export]'. Lowering "
                        "takes one to a few minutes.")
-    add_target_args(e)
+    add_target_args(e, quantize=False)
     e.add_argument("--draft", default=None,
                    help="EAGLE-3 head directory (default: the default head for --target default)")
     e.add_argument("--taps", type=int_list, default=None, metavar="2,16,29",

@@ -16,6 +16,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import eagle3
 
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       quantize=args.quantize,
                        max_seq_len=args.max_seq_len, taps=args.taps, compile=args.compile,
                        program=args.program, device=args.device)
     tok = spec.tokenizer

@@ -34,6 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or ("eagle3-default" if args.target == "default"
                                else os.path.basename(os.path.normpath(args.target)))
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
+                       quantize=args.quantize,
                        max_seq_len=args.max_seq_len, device=args.device)
     k = None if args.num_draft_tokens in (None, "auto") else args.num_draft_tokens
     tree = decoding_kwargs(args, sampling=False)["tree"]

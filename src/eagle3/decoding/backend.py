@@ -205,7 +205,7 @@ class StaticBackend:
         """Compile the fused chain for every K in 1..kmax now (as automatic K may switch to any),
         at positions from `start` (their contents are scratch, overwritten by the next prefill)."""
         H = self.draft_model.config.hidden_size
-        feats = torch.zeros(1, kmax + 1, H, dtype=self.draft_model.fc.weight.dtype, device=self.device)
+        feats = torch.zeros(1, kmax + 1, H, dtype=self.draft_model.dtype, device=self.device)
         tokens = torch.zeros(1, kmax + 1, dtype=torch.long, device=self.device)
         for k in range(1, kmax + 1):
             self.fused_chain(tokens[:, :k + 1], feats[:, :k + 1], start, 0, k)

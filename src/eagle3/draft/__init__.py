@@ -41,9 +41,9 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
         emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         emb.weight = table if isinstance(table, nn.Parameter) else nn.Parameter(table, requires_grad=False)
         head.embed_tokens = emb
-    if head.embed_tokens.weight.dtype != head.fc.weight.dtype:
+    if head.embed_tokens.weight.dtype != head.dtype:
         raise Eagle3Error(f"{where}: embedding dtype {head.embed_tokens.weight.dtype} differs from the "
-                          f"head's {head.fc.weight.dtype}; load target and head with the same dtype")
+                          f"head's {head.dtype}; load target and head with the same dtype")
 
 
 @torch.no_grad()

@@ -120,9 +120,14 @@ class Eagle3Draft(nn.Module):
     def reduced_vocab(self) -> bool:
         return self.config.draft_vocab_size != self.config.vocab_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's activations and cache (its linear layers may be packed)."""
+        return self.norm.weight.dtype
+
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> StaticKVCache:
         cfg = self.config
-        w = self.fc.weight
+        w = self.norm.weight
         return StaticKVCache(1, batch_size, cfg.num_key_value_heads, max_len or self.max_len,
                              cfg.head_dim, dtype=w.dtype, device=w.device)
 

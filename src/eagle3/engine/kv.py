@@ -109,7 +109,8 @@ class PagedKV:
     """
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False) -> None:
+        self.exact = exact  # row-invariant attention (see `kv.masked_attention`)
         shape = (n_slots + 1, n_kv_heads, head_dim)  # + the trash slot
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -144,7 +145,7 @@ class PagedKV:
                softcap: float | None = None) -> torch.Tensor:
         """Write k, v at `write_slots` (B, T); attend q over the prepared rows under `mask`."""
         keys, values = self.update(layer, write_slots, k, v)
-        return masked_attention(q, keys, values, mask, scale, softcap)
+        return masked_attention(q, keys, values, mask, scale, softcap, self.exact)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` (N,) to slots `dst` (N,)."""
@@ -211,12 +212,13 @@ class PagedBackend:
         self.has_draft = draft is not None
         self.vocab_size = target.config.vocab_size
         self.tkv = PagedKV(cfg.num_hidden_layers, pool.total_tokens, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype=w.dtype, device=w.device)
+                           cfg.head_dim, dtype=w.dtype, device=w.device,
+                           exact=getattr(target, "exact", False))
         self.dkv = None
         if draft is not None:
             dc = draft.config
             self.dkv = PagedKV(1, pool.total_tokens, dc.num_key_value_heads, dc.head_dim,
-                               dtype=draft.fc.weight.dtype, device=w.device)
+                               dtype=draft.dtype, device=w.device)
         self._table, self._table_key, self._start = None, None, None
         self.supports_trees = True
         self.fixed_shapes, self.fused_chain, self.fused_tree = False, None, None

@@ -193,7 +193,8 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
     """Export `spec` (a target + head) to `out_dir`/program.pte + metadata; returns the metadata.
 
     Writes into a temporary directory beside `out_dir`, renamed into place when complete: a
-    failed export leaves nothing behind. `quantize` quantizes `spec`'s weights in place.
+    failed export leaves nothing behind. `quantize` quantizes `spec`'s weights in place;
+    float32 layers on the row-invariant kernels become stock PyTorch layers first.
     """
     if quantize not in QUANTIZE_MODES:
         raise Eagle3Error(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
@@ -201,6 +202,11 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
         raise Eagle3Error("export needs ExecuTorch: pip install 'eagle3[export]' (executorch from PyPI)")
     cfg = spec.target.config
     max_seq_len = max_seq_len or cfg.max_seq_len
+    from ..kernels import to_stock_layers
+
+    for model in (spec.target, spec.draft):  # the program lowers stock layers
+        if model is not None:
+            to_stock_layers(model)
     check_exportable(spec, max_seq_len, max_draft_tokens)
     check_out_dir(out_dir)
     from .quantize import quantize_weights

@@ -72,16 +72,26 @@ def load_native(path: str, *, dtype: torch.dtype | str | None = None,
 
 def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
               max_seq_len: int | None = None, taps=None) -> NativeTarget:
-    """Load a GGUF file (llama.cpp's format; weights dequantized) into a `NativeTarget`."""
+    """Load a GGUF file (llama.cpp's format; weights dequantized) into a `NativeTarget`.
+
+    The target keeps `gguf_blocks` ({tensor name: `gguf.block_codes`} for Q8_0/Q4_0/Q4_1
+    tensors) and `gguf_types` ({tensor name: GGUF type}), which `quantize='gguf'` turns into
+    weight formats holding the file's codes as they are; both are dropped otherwise.
+    """
     from .gguf import read_gguf, state_dict
 
     ckpt = read_gguf(path)
     cfg = parse_decoder_config(ckpt.config, where=path, max_seq_len=max_seq_len)
-    state, unused = state_dict(ckpt)
+    blocks: dict = {}
+    types: dict = {}
+    state, unused = state_dict(ckpt, blocks, types)
     if unused:
         notice(f"{path}: ignoring {len(unused)} GGUF tensor(s) with no native counterpart "
                f"(e.g. {unused[0]})")
-    return _build_native(cfg, state, path, dtype, taps)
+    model = _build_native(cfg, state, path, dtype, taps)
+    model.gguf_blocks = blocks
+    model.gguf_types = types
+    return model
 
 
 def _build_native(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str, dtype,

@@ -155,6 +155,20 @@ class MLP(nn.Module):
         return self.down_proj(gate * up)
 
 
+# The checkpoint weights each fused projection concatenates (rows in this order).
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def weight_sources(module_path: str, tied: bool) -> list[str]:
+    """The checkpoint tensor names a (possibly fused) linear layer of a `NativeTarget` holds."""
+    base, _, leaf = module_path.rpartition(".")
+    if leaf in FUSED_PARTS:
+        return [f"{base}.{p}.weight" for p in FUSED_PARTS[leaf]]
+    if module_path == "lm_head" and tied:
+        return ["model.embed_tokens.weight"]
+    return [f"{module_path}.weight"]
+
+
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenation of `parts`' outputs."""
     w = torch.cat([p.weight for p in parts])
@@ -216,6 +230,11 @@ class NativeTarget(nn.Module):
         self.layer_window_idx = [self.windows.index(w) for w in cfg.layer_windows]
         self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.gemma else None
         self._taps: tuple[int, ...] = ()
+        # Row-invariant kernels (`kernels.prepare_target`): verify rows == decode rows bitwise.
+        self.exact = False
+        self.weight_format: str | None = None  # a `kernels.FORMATS` name once prepared
+        self.gguf_blocks: dict | None = None  # a GGUF file's codes, until prepared (load_gguf)
+        self.gguf_types: dict | None = None
         if taps is not None:
             self.tap_layers = taps
 
@@ -261,7 +280,8 @@ class NativeTarget(nn.Module):
         cfg = self.config
         return StaticKVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads,
                              max_len or cfg.max_seq_len, cfg.head_dim,
-                             dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+                             dtype=self.embedding_weight.dtype, device=self.embedding_weight.device,
+                             exact=self.exact)
 
     def truncate_cache(self, cache: StaticKVCache, length: int) -> None:
         cache.truncate(length)

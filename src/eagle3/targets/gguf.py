@@ -218,8 +218,36 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def state_dict(ckpt: GGUFCheckpoint) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """HF-named float32 tensors, and the GGUF tensors that map to nothing."""
+# GGUF block types whose codes a weight format holds as they are (groups of 32 along a row):
+# Q8_0 w = d q (int8); Q4_0 w = d (q - 8) and Q4_1 w = d q + m (int4, offset -8 d or m).
+BLOCK_FORMATS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+def block_codes(tensor) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's codes as stored: (format, codes (N, K), scales (N, K/32),
+    offsets (N, K/32) or None), so that `format`'s formula gives llama.cpp's weights."""
+    qtype = tensor.tensor_type.name
+    N, K = (int(n) for n in reversed(tensor.shape))
+    raw = np.asarray(tensor.data).reshape(N, -1)  # (N, bytes per row)
+    blocks = raw.reshape(N, K // 32, -1)  # (N, K/32, bytes per block)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == "Q8_0":
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(N, K)
+        return "int8", codes, d, None
+    nib = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # (N, K/32, 16) bytes
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1)  # element j: low nibble of byte j, j+16: high
+    codes = torch.from_numpy(q.astype(np.uint8)).reshape(N, K)
+    if qtype == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        return "int4", codes, d, m
+    return "int4", codes, d, -8 * d
+
+
+def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | None = None
+               ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF-named float32 tensors, and the GGUF tensors that map to nothing. `blocks`, when
+    given, also receives {HF name: `block_codes(...)`} for the tensors stored as Q8_0/Q4_0/Q4_1,
+    and `types` {HF name: GGUF type name} for all."""
     gemma = ckpt.config["model_type"] in ("gemma2", "gemma3_text")
     n_head, n_kv = ckpt.config["num_attention_heads"], ckpt.config["num_key_value_heads"]
     state, unused = {}, []
@@ -229,7 +257,16 @@ def state_dict(ckpt: GGUFCheckpoint) -> tuple[dict[str, torch.Tensor], list[str]
             unused.append(t.name)
             continue
         w = _dequantize(t, ckpt.path)
-        if ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if types is not None:
+            types[name] = t.tensor_type.name
+        permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
+        if blocks is not None and t.tensor_type.name in BLOCK_FORMATS and w.dim() == 2:
+            fmt, *parts = block_codes(t)
+            if permute:  # llama.cpp's permutation moves whole rows: move the codes with them
+                heads = n_head if "q_proj" in name else n_kv
+                parts = [p if p is None else _unpermute(p, heads) for p in parts]
+            blocks[name] = (fmt, *parts)
+        if permute:
             w = _unpermute(w, n_head if "q_proj" in name else n_kv)
         if gemma and name.endswith("norm.weight"):
             w = w - 1.0

@@ -1,0 +1,236 @@
+"""Weight formats and the row-invariant kernels (eagle3/kernels).
+
+The kernels are checked against formulas written here in float64 from the codes and
+scales (not against their own reference path), for row invariance bit for bit (a row's
+result must not depend on how many rows share the call, on the thread count, or on
+what sits in masked cache slots), and end to end: `target_verify` rows == 1-row decode
+rows bitwise, and speculative output == plain output in every format.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eagle3
+from conftest import make_hf_model
+from eagle3.errors import Eagle3Error
+from eagle3.kernels import (
+    FORMATS,
+    QLinear,
+    kernel_available,
+    kernel_status,
+    pack_int4,
+    parse_quantize,
+    quantize_model,
+    unpack_int4,
+)
+from eagle3.kv import masked_attention
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason=f"kernels unavailable: {kernel_status()}")
+GROUPS = {"float32": [None], "bfloat16": [None], "int8": [None, 32, 64], "int4": [32, 64]}
+CASES = [(f, g) for f in FORMATS for g in GROUPS[f]]
+
+
+def linear(N: int, K: int, seed: int = 0, bias: bool = False) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(K, N, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+    return lin
+
+
+def formula(q: QLinear, x: torch.Tensor) -> torch.Tensor:
+    """The format's definition in float64, from the stored codes (bf16 activations when packed)."""
+    N, K = q.out_features, q.in_features
+    if q.fmt == "float32":
+        w, xa = q.w.double(), x.double()
+    else:
+        xa = x.to(torch.bfloat16).double()
+        if q.fmt == "int4":
+            codes = unpack_int4(q.w, N, K).double()
+        else:
+            raw = q.w.view(torch.bfloat16) if q.fmt == "bfloat16" else q.w
+            # tile order (N/16, K/32, 16 rows, 16 columns, 2) -> (N, K), undone by hand
+            codes = raw.reshape(N // 16, K // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(N, K).double()
+        if q.fmt == "bfloat16":
+            w = codes
+        else:
+            G = q.group
+            w = codes.reshape(N, K // G, G) * q.scale.t().double()[..., None]
+            if q.fmt == "int4":
+                w = w + q.offset.t().double()[..., None]
+            w = w.reshape(N, K)
+    y = xa @ w.t()
+    return y + q.bias.double() if q.bias is not None else y
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,group", CASES)
+def test_kernel_computes_the_format_formula(fmt, group):
+    lin = linear(48, 192, bias=True)
+    q = QLinear.quantize(lin, fmt, group)
+    x = torch.randn(7, 192)
+    torch.testing.assert_close(q(x).double(), formula(q, x), rtol=1e-5, atol=2e-5)
+    # and the format is close to the float32 layer it came from (quantization error only)
+    tol = {"float32": 1e-5, "bfloat16": 0.02, "int8": 0.03, "int4": 0.25}[fmt]
+    assert (q(x) - lin(x)).abs().max().item() < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,group", CASES)
+def test_rows_do_not_depend_on_the_batch_or_threads(fmt, group):
+    q = QLinear.quantize(linear(64, 128, seed=1), fmt, group)
+    x = torch.randn(21, 128)  # > 16 rows: two AMX row tiles, the second partial
+    full = q(x)
+    for i in range(21):
+        assert torch.equal(q(x[i:i + 1]), full[i:i + 1]), f"row {i} alone differs"
+    for a, b in ((0, 5), (3, 19), (16, 21)):
+        assert torch.equal(q(x[a:b]), full[a:b])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(q(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1))
+@settings(max_examples=25, deadline=None)
+def test_int4_packing_round_trips(nb, kb, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (16 * nb, 32 * kb), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(codes), 16 * nb, 32 * kb), codes)
+
+
+@needs_kernel
+def test_float32_takes_any_shape_and_packed_formats_fall_back_to_it():
+    q = QLinear.quantize(linear(20, 40), "float32")  # K not a multiple of 16 or 32
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(q(x).double(), formula(q, x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(Eagle3Error, match="divisible by 32"):
+        QLinear.quantize(linear(32, 40), "int4")
+    model = torch.nn.Sequential(linear(32, 64), linear(20, 32))
+    counts = quantize_model(model, "int4")
+    assert counts["converted"] == 2 and counts["float32"] == 1
+    assert [m.fmt for m in model] == ["int4", "float32"]
+
+
+def test_quantize_names():
+    assert parse_quantize(None) is None and parse_quantize("none") is None
+    assert parse_quantize("int4") == ("int4", 32)
+    assert parse_quantize("int4-g64") == ("int4", 64)
+    assert parse_quantize("int8") == ("int8", None)
+    assert parse_quantize("bf16") == ("bfloat16", None)
+    for bad in ("int3", "int4-g48", "bf16-g32", "int4-gx", "int4-g16"):
+        with pytest.raises(Eagle3Error, match="quantize"):
+            parse_quantize(bad)
+
+
+# -- attention ------------------------------------------------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("hd,softcap", [(64, None), (24, None), (16, 5.0)])
+def test_attention_rows_are_independent_of_the_call(hd, softcap):
+    torch.manual_seed(0)
+    S, T = 37, 6
+    q = torch.randn(1, 4, T, hd)
+    k, v = torch.randn(1, 2, S + 9, hd), torch.randn(1, 2, S + 9, hd)
+    pos = torch.arange(S - T, S)
+    mask = torch.arange(S)[None, :] <= pos[:, None]  # (T, S) causal
+    out = masked_attention(q, k[:, :, :S], v[:, :, :S], mask, 0.3, softcap, exact=True)
+    ref = masked_attention(q, k[:, :, :S], v[:, :, :S], mask, 0.3, softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for i in range(T):  # each row alone, over only the keys it may see
+        n = S - T + i + 1
+        one = masked_attention(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], mask[i:i + 1, :n], 0.3,
+                               softcap, exact=True)
+        assert torch.equal(one, out[:, i:i + 1])
+    # whatever the masked slots hold (stale rounds, NaN) changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, S - 1], v2[:, :, S - 1] = float("nan"), 1e30
+    row0 = masked_attention(q[:, :, :1], k2[:, :, :S], v2[:, :, :S], mask[:1], 0.3, softcap, exact=True)
+    assert torch.equal(row0, out[:, :1])
+
+
+# -- whole targets -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("kern") / "llama")
+    make_hf_model("llama", seed=3, vocab_size=160).save_pretrained(d)
+    return d
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [None, "bf16", "int8", "int4"])
+def test_verify_rows_equal_decode_rows_bitwise(llama_dir, quantize):
+    spec = eagle3.load(llama_dir, "none", quantize=quantize)
+    t = spec.target
+    t.tap_layers = (1, 3, 5)
+    assert t.exact and t.weight_format is not None
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 160, (1, 11))
+    new = torch.randint(1, 160, (1, 9))
+    with torch.no_grad():
+        cache = t.new_cache(1, 64)
+        t(prompt, torch.arange(11), cache, kv_len=11)
+        verify, vtaps = t(new, torch.arange(11, 20), cache, kv_len=20)
+        for i in range(9):
+            one, otaps = t(new[:, i:i + 1], torch.arange(11 + i, 12 + i), cache, kv_len=12 + i)
+            assert torch.equal(one[0, 0], verify[0, i]), f"row {i}"
+            assert torch.equal(otaps[0, 0], vtaps[0, i])
+        # A tree over slots 11..19: nodes 0, 2, 4, 6, 8 are a path (depth 0..4), each odd
+        # node 2n+1 a child of node 2n. Every path node's row must equal decoding the path
+        # as a chain: same keys in the same order, the same RoPE positions.
+        depth = [j // 2 + j % 2 for j in range(9)]
+        mask = torch.zeros(9, 20, dtype=torch.bool)
+        mask[:, :11] = True
+        for j in range(9):
+            anc = list(range(0, j - j % 2 + 1, 2)) + ([j] if j % 2 else [])
+            mask[j, [11 + a for a in anc]] = True
+        tv, _ = t(new, torch.arange(11, 20), cache, kv_len=20, attn_mask=mask,
+                  rope_pos=torch.tensor(depth) + 11)
+        chain = t.new_cache(1, 64)
+        t(prompt, torch.arange(11), chain, kv_len=11)
+        for n, j in enumerate(range(0, 9, 2)):
+            one, _ = t(new[:, j:j + 1], torch.arange(11 + n, 12 + n), chain, kv_len=12 + n)
+            assert torch.equal(one[0, 0], tv[0, j]), f"tree node {j}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_speculative_equals_plain_in_each_format(llama_dir, quantize):
+    from eagle3.draft import attach_head, random_head
+    from eagle3.speculator import Eagle3Speculator
+
+    spec = eagle3.load(llama_dir, "none", quantize=quantize)
+    t = spec.target
+    head = random_head(t, taps=(1, 3, 5), seed=4)
+    attach_head(head, t)
+    s = Eagle3Speculator(t, head)
+    plain = Eagle3Speculator(t)
+    torch.manual_seed(1)
+    for _ in range(4):
+        prompt = torch.randint(1, 160, (int(torch.randint(3, 20, (1,))),)).tolist()
+        ref = plain.generate(prompt, 40).token_ids
+        for k in (1, 3, 6):
+            assert s.generate(prompt, 40, num_draft_tokens=k).token_ids == ref
+        assert s.generate(prompt, 40, tree=True).token_ids == ref
+
+
+def test_cli_quantize_errors(llama_dir):
+    bad = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--target", llama_dir,
+                          "--draft", "none", "--prompt-ids", "1,2,3", "--quantize", "int3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "quantize must be one of" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    hf = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--target", llama_dir,
+                         "--draft", "none", "--prompt-ids", "1,2,3", "--quantize", "int4",
+                         "--backend", "hf"], capture_output=True, text=True)
+    assert hf.returncode == 2 and "native backend" in hf.stderr
