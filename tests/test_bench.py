@@ -198,7 +198,8 @@ def test_bad_input_is_one_line_and_exit_2(dirs, tmp_path, capsys, monkeypatch):
         (["--num-draft-tokens", "0,2"], "--num-draft-tokens"),
         (["--num-draft-tokens", "a,b"], "--num-draft-tokens"),
         (["--num-draft-tokens", ""], "--num-draft-tokens"),
-        (["--peers", "hf,vllm"], "unknown peer 'vllm'"),
+        (["--peers", "hf,ollama"], "unknown peer 'ollama'"),
+        (["--quantize", "fp32,int3"], "quantize must be one of"),
         (["--peers", "assisted"], "needs --assistant"),
         (["--assistant", str(tmp_path)], "not a checkpoint directory"),
         (["--repeats", "0"], "--repeats"),
@@ -217,6 +218,26 @@ def test_bad_input_is_one_line_and_exit_2(dirs, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
     assert e.value.code == 0 and "--num-draft-tokens" in capsys.readouterr().out
+
+
+def test_weight_formats_side_by_side_and_engine_peers_skipped_with_a_note(dirs, tmp_path, capsys):
+    target, head, prompts = dirs
+    out = tmp_path / "formats.json"
+    notes: list[str] = []
+    assert parse_peers("llama.cpp,vllm", None, notes) == ["llama.cpp"]
+    assert "skipping vllm" in notes[0]
+    rc = main(["bench", "--target", target, "--draft", head, "--prompts", prompts, "--limit", "2",
+               "--max-new-tokens", "8", "--num-draft-tokens", "2", "--tree", "none", "--repeats", "1",
+               "--quantize", "fp32,int4", "--peers", "llama.cpp", "--json", str(out)])
+    assert rc == 0
+    # the target is a checkpoint directory, not a GGUF file (or llama.cpp is not built)
+    assert "skipping llama.cpp:" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["settings"]["backends"] == ["eager:fp32", "eager:int4"]
+    assert report["settings"]["weight_formats"] == {"eager:fp32": "float32", "eager:int4": "int4-g32"}
+    assert {r["backend"] for r in report["rows"]} == {"eager:fp32", "eager:int4"}
+    assert report["outputs_identical"] is True  # each format against its own plain decoding
+    assert report["peers"] == {}
 
 
 @pytest.mark.slow

@@ -234,3 +234,66 @@ def test_cli_quantize_errors(llama_dir):
                          "--draft", "none", "--prompt-ids", "1,2,3", "--quantize", "int4",
                          "--backend", "hf"], capture_output=True, text=True)
     assert hf.returncode == 2 and "native backend" in hf.stderr
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_engine_batches_in_a_format_equal_single_requests(llama_dir, quantize):
+    """The engine's ragged batches (paged cache, per-row masks) on the kernels: every request
+    equals its own plain decoding, with a head that drafts (acceptance near zero or not)."""
+    from eagle3.draft import attach_head, random_head
+    from eagle3.engine import Engine, EngineConfig
+    from eagle3.speculator import Eagle3Speculator
+
+    t = eagle3.load(llama_dir, "none", quantize=quantize).target
+    head = random_head(t, taps=(1, 3, 5), seed=7)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(1, 160, (int(n),), generator=g).tolist() for n in (3, 9, 17, 6, 12)]
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3))
+    engine.start(background=False)
+    reqs = [engine.submit(p, 24, stop_token_ids=[]) for p in ps]
+    engine.run_until_idle()
+    for r, p in zip(reqs, ps):
+        assert r.token_ids == spec.plain().generate(p, 24, stop_token_ids=[]).token_ids
+    assert engine.metrics()["kv_used_tokens"] == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
+    """quantize='gguf': each layer holds the file's own codes (its dequantized weight equals
+    gguf's dequantizer bit for bit where the type maps exactly), and decodes losslessly."""
+    import gguf
+    import numpy as np
+
+    from eagle3.draft import attach_head, random_head
+    from eagle3.kernels import QLinear
+    from eagle3.speculator import Eagle3Speculator
+    from gguf_files import write_gguf
+
+    wide = {"hidden_size": 256, "intermediate_size": 512} if qtype.endswith("_K") else {}
+    hf = make_hf_model("llama", seed=8, **wide)
+    path = str(tmp_path / f"m-{qtype}.gguf")
+    write_gguf(hf, path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    t = eagle3.load(path, "none", quantize="gguf").target
+    assert t.weight_format == "gguf" and t.gguf_blocks is None  # the codes were handed over
+    down = t.model.layers[0].mlp.down_proj
+    assert isinstance(down, QLinear)
+    expect = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}[qtype]
+    assert down.fmt == expect and down.group == 32
+    if qtype != "Q4_K":  # exact codes (Q4_K is requantized)
+        r = gguf.GGUFReader(path)
+        tensor = next(x for x in r.tensors if x.name == "blk.0.ffn_down.weight")
+        ref = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        ref = torch.from_numpy(ref.astype(np.float32)).reshape(down.out_features, down.in_features)
+        torch.testing.assert_close(down.dequantized(), ref, rtol=0, atol=0)
+    t.tap_layers = (1, 3, 5)
+    head = random_head(t, taps=(1, 3, 5), seed=9)
+    attach_head(head, t)
+    s, plain = Eagle3Speculator(t, head), Eagle3Speculator(t)
+    prompt = torch.randint(1, 160, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = plain.generate(prompt, 30).token_ids
+    assert s.generate(prompt, 30, num_draft_tokens=4).token_ids == want
+    assert s.generate(prompt, 30, tree=True).token_ids == want

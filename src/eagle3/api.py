@@ -11,6 +11,7 @@ from .kernels import parse_quantize, prepare_target
 from .speculator import Eagle3Speculator
 from .targets import load_target, resolve_dtype
 from .targets.decoder import NativeTarget
+from .targets.gguf import gguf_layers
 from .tokenizer import load_tokenizer
 
 
@@ -73,7 +74,7 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if head is not None:
             head.to(dev)
     if isinstance(tgt, NativeTarget):
-        prepare_target(tgt, quantize, head)
+        prepare_target(tgt, quantize, head, gguf_layers(tgt))
     elif quantize not in (None, "none"):
         raise Eagle3Error("quantize needs the native backend (this target runs through "
                           "transformers); use backend='native' or 'auto'")

@@ -97,6 +97,14 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
         "mismatched_runs": mismatched}
     if samples[0][0].stats is None:
         return row  # a peer: no stats of ours
+    if samples[0][0].stats.get("llama_cpp"):  # llama.cpp's EAGLE-3: its own counts
+        first = [reps[0].stats for reps in samples]
+        rounds = sum(s["rounds"] for s in first)
+        drafted, accepted = (sum(s[k] for s in first) for k in ("draft_tokens", "accepted_tokens"))
+        row.update(rounds=rounds, draft_tokens=drafted, accepted_tokens=accepted,
+                   mean_accept_len=(accepted + rounds) / rounds if rounds else 1.0,
+                   acceptance_rate=accepted / drafted if drafted else None)
+        return row
     # Speculation counts: greedy decoding is deterministic, so one repetition (the first) tells
     # all; sampled runs differ, so they count every repetition.
     first = ([reps[0].stats for reps in samples] if plain is not None else

@@ -16,9 +16,10 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 
 def _row(name: str, r: dict) -> list[str]:
     spec = r.get("arm") == "eagle3"
+    counts = spec or "mean_accept_len" in r  # a peer's own speculation counts (llama.cpp)
     return [name, _f(r["tokens_per_s"], ".1f"), _f(r["speedup"]) + "x", _f(r.get("predicted_speedup")),
-            _f(r["mean_accept_len"]) if spec else "-",
-            _f(r["acceptance_rate"], ".0%") if spec else "-",
+            _f(r["mean_accept_len"]) if counts else "-",
+            _f(r["acceptance_rate"], ".0%") if counts else "-",
             " ".join(_f(None if a is None else 100 * a, ".0f") for a in r["accept_rate_per_position"])
             if spec else "-",
             " ".join(f"{n}:{c}" for n, c in enumerate(r["accept_len_hist"]) if c) if spec else "-",

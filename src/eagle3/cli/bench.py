@@ -78,10 +78,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "token, inter-token latency. K: auto per batch size, or one integer from "
                         "--num-draft-tokens. Chain/tree rows and peers are not run")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
-    b.add_argument("--peers", default=None, metavar="hf,lookup,assisted",
-                   help="transformers peers: hf (greedy generate), lookup (prompt lookup), assisted "
-                        "(needs --assistant), or none; default hf,lookup (+assisted with --assistant) "
-                        "when transformers is installed")
+    b.add_argument("--peers", default=None, metavar="hf,lookup,assisted,llama.cpp",
+                   help="peers in the same interleaved run: transformers hf (greedy generate), lookup "
+                        "(prompt lookup), assisted (needs --assistant); llama.cpp (plain decoding "
+                        "and EAGLE-3 with this head converted by llama.cpp's converter, on the same "
+                        "GGUF file; needs `make llama.cpp`); vllm (skipped with a note: see the "
+                        "README); or none. Default hf,lookup (+assisted with --assistant) when "
+                        "transformers is installed. A peer that cannot run is skipped with a note")
     b.add_argument("--assistant", default=None, metavar="DIR",
                    help="assistant model checkpoint for transformers assisted generation")
     b.add_argument("--threads", type=int, default=None,
@@ -159,6 +162,9 @@ def parse_formats(text: str | None) -> list[str | None]:
     return list(dict.fromkeys(words)) or [None]
 
 
+ENGINE_PEERS = ("llama.cpp", "vllm")  # other engines, run as separate programs
+
+
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
     """The peers to run; the default skips them (with a note) when transformers is missing."""
     from ..bench import peers
@@ -172,14 +178,20 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
     names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     if names in ([], ["none"]):
         return []
-    bad = [n for n in names if n not in peers.PEERS]
+    bad = [n for n in names if n not in (*peers.PEERS, *ENGINE_PEERS)]
     if bad:
         raise Eagle3Error(f"unknown peer '{bad[0]}'; use a comma-separated list of "
-                          f"{', '.join(peers.PEERS)}, or none")
+                          f"{', '.join((*peers.PEERS, *ENGINE_PEERS))}, or none")
+    if "vllm" in names:
+        notes.append("skipping vllm: its CPU build needs a virtual environment of its own, not "
+                     "set up by this checkout (README, 'Benchmark against vLLM')")
+    names = [n for n in names if n != "vllm"]
+    if names == ["llama.cpp"]:
+        return names
     if "assisted" in names and not assistant:
         raise Eagle3Error("peer 'assisted' needs --assistant DIR (a small model sharing the target's "
                           "tokenizer)")
-    if not peers.available():
+    if not peers.available() and [n for n in names if n in peers.PEERS]:
         raise Eagle3Error(f"peers {','.join(names)} need transformers: pip install 'eagle3[hf]', "
                           "or pass --peers none")
     return names
@@ -303,6 +315,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               "eager or pass --peers none")
         notes.append("no eager backend: skipping the transformers peers")
         peer_names = []
+    if "llama.cpp" in peer_names:
+        arms.update(llama_cpp_arms(args, spec, ks, notes))
+    peer_names = [n for n in peer_names if n != "llama.cpp"]
     if peer_names:
         tgt = backends[eager_key].target
         model = (tgt.model if isinstance(tgt, HFTarget) else
@@ -310,7 +325,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
         assistant = (peers.load_model(args.assistant, resolve_dtype(args.dtype), model.device, "assistant")
                      if "assisted" in peer_names else None)
-        arms = peers.peer_arms(peer_names, model, args.max_new_tokens, tgt.config.eos_token_ids, assistant)
+        arms.update(peers.peer_arms(peer_names, model, args.max_new_tokens, tgt.config.eos_token_ids,
+                                    assistant))
     for note in notes:
         notice(note)
     report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
@@ -332,6 +348,53 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         save_plots(report, args.plots)
     return 0
+
+
+def llama_cpp_arms(args: argparse.Namespace, spec, ks: list[int], notes: list[str]) -> dict:
+    """llama.cpp plain and EAGLE-3 (our head, converted by llama.cpp's converter) on the same
+    GGUF file; none, with a note saying why, when they cannot run."""
+    import os
+    import tempfile
+
+    import torch
+
+    from ..bench import llamacpp as lc
+    from ..llamacpp import head_to_gguf
+    from ..targets.gguf import find_gguf
+    from ..targets.named import resolve_target
+
+    why = lc.missing()
+    path = args.target
+    if why is None:
+        if path == "default":
+            from ..default import default_target_dir
+
+            path = default_target_dir()
+        path = resolve_target(path)
+        gguf = find_gguf(path) if path.endswith(".gguf") or os.path.isdir(path) else None
+        if gguf is None:
+            why = f"--target {args.target} is not a GGUF file (llama.cpp runs GGUF targets)"
+        elif spec.tokenizer is None:
+            why = "the target has no tokenizer (llama.cpp takes prompts as text)"
+    if why is not None:
+        notes.append(f"skipping llama.cpp: {why}")
+        return {}
+    threads = torch.get_num_threads()
+    tok = spec.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    arms = {"llama.cpp plain": lc.completion_arm(gguf, args.max_new_tokens, threads, decode, tok.encode)}
+    if spec.draft is not None:
+        head = args.draft
+        if head is None:
+            from ..default import default_head_dir
+
+            head = default_head_dir()
+        head_gguf = os.path.join(tempfile.mkdtemp(prefix="eagle3-bench-"), "head.gguf")
+        head_to_gguf(head, head_gguf, args.target)
+        k = ks[0] if len(ks) == 1 else 3
+        arms[f"llama.cpp eagle3 K={k}"] = lc.eagle3_arm(gguf, head_gguf, args.max_new_tokens, k,
+                                                        threads, decode, tok.encode)
+    return arms
 
 
 def parse_concurrency(text: str) -> list[int]:

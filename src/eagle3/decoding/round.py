@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import prefill_matmuls
 from ..targets.decoder import slots_upto
 from .accept import accept
 from .backend import Backend, Layout, causal_layout
@@ -141,8 +142,9 @@ def prefill(backend: Backend, seq: Sequence) -> int:
     backend.reserve(seq, n)
     prompt = torch.tensor([seq.prompt], device=backend.device)
     drafts = backend.has_draft and seq.drafts and seq.max_new_tokens > 1
-    logits, feats = backend.target([seq], prompt, causal_layout([0], n, device=backend.device),
-                                   with_features=drafts, last_only=True)
+    with prefill_matmuls():  # the same call in plain and speculative decoding: stock kernels
+        logits, feats = backend.target([seq], prompt, causal_layout([0], n, device=backend.device),
+                                       with_features=drafts, last_only=True)
     row = logits[0, -1]
     first = int(row.argmax() if seq.sampler is None else seq.sampler.sample(seq.sampler.probs(row)))
     seq.stats["target_forwards"] += 1

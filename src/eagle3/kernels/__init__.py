@@ -22,7 +22,9 @@ only to rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +41,24 @@ _EMPTY = torch.empty(0)
 
 
 _STATUS: str | None = None
+_PREFILL = threading.local()  # `prefill_matmuls()` is active in this thread
+
+
+@contextlib.contextmanager
+def prefill_matmuls() -> Iterator[None]:
+    """Within: float32 layers and attention use PyTorch's stock kernels (faster for a prompt's
+    many rows). Row invariance is needed only between a verify and a 1-row decode; a prompt's
+    forward is the same call in plain and speculative decoding, so it may sum as it likes."""
+    before = getattr(_PREFILL, "on", False)
+    _PREFILL.on = True
+    try:
+        yield
+    finally:
+        _PREFILL.on = before
+
+
+def in_prefill() -> bool:
+    return getattr(_PREFILL, "on", False) and not torch.compiler.is_compiling()
 
 
 def kernel_available() -> bool:
@@ -212,7 +232,9 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
-        if x2.device.type == "cpu" and kernel_available():
+        if self.fmt == "float32" and in_prefill():
+            y = torch.nn.functional.linear(x2, self.w)
+        elif x2.device.type == "cpu" and kernel_available():
             y = torch.ops.eagle3.wlinear(x2, self.w, self.scale, self.offset, FMT_ID[self.fmt],
                                          self.group, self.out_features)
         else:
@@ -303,26 +325,27 @@ def quantize_model(model: nn.Module, fmt: str, group: int | None = None,
 
 
 def row_invariant_attention(q: torch.Tensor) -> bool:
-    """Whether `attention` (the kernel) can take this query: fp32 on a CPU with the kernel."""
-    return q.dtype == torch.float32 and q.device.type == "cpu" and kernel_available()
+    """Whether `attention` (the kernel) should take this query: fp32 on a CPU with the kernel,
+    outside a prompt's forward (`prefill_matmuls`)."""
+    return (q.dtype == torch.float32 and q.device.type == "cpu" and kernel_available()
+            and not in_prefill())
 
 
-def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | None = None
-                   ) -> str | None:
+def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | None = None,
+                   layer: Callable[[str, nn.Linear], QLinear] | None = None) -> str | None:
     """Put a native target's linear layers (and a head's, when quantized) into a weight format.
 
     quantize: None = float32 weights through the row-invariant kernels where they run here
     (stock PyTorch elsewhere); 'none' = stock PyTorch layers (not row-invariant; export
-    and training use them); 'fp32' | 'bf16' | 'int8' | 'int4' (optionally '-gN').
+    and training use them); 'fp32' | 'bf16' | 'int8' | 'int4' (optionally '-gN'); 'gguf' with
+    `layer` building each layer from a GGUF file's codes (`targets.gguf.gguf_layers`).
     Returns the format in use, or None for stock layers.
     """
-    blocks, types = getattr(target, "gguf_blocks", None), getattr(target, "gguf_types", None)
-    target.gguf_blocks = target.gguf_types = None  # the codes are used once, then freed
     if quantize == "none":
         return None
     parsed = parse_quantize(quantize) or ("float32", None)
     fmt, group = parsed
-    if fmt == "gguf" and types is None:
+    if fmt == "gguf" and layer is None:
         raise Eagle3Error("quantize='gguf' keeps a GGUF file's codes: the target must be a .gguf "
                           "file; use int4 or int8 for other checkpoints")
     dev = target.embedding_weight.device
@@ -335,8 +358,7 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
         if quantize is None:
             return None  # stock layers: the format's formulas would only be slower here
     if fmt == "gguf":
-        tied = bool(target.config.tie_word_embeddings)
-        quantize_model(target, "float32", None, lambda path, lin: _gguf_layer(path, lin, tied, blocks, types))
+        quantize_model(target, "float32", None, layer)
     else:
         quantize_model(target, fmt, group)
     target.exact = dev.type == "cpu" and kernel_available()
@@ -344,33 +366,6 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
     if draft is not None and fmt != "float32":  # the head only proposes: speed, not exactness
         quantize_model(draft, "int4" if fmt == "gguf" else fmt, group)
     return target.weight_format
-
-
-def _gguf_layer(path: str, lin: nn.Linear, tied: bool, blocks: dict, types: dict) -> QLinear:
-    """The format nearest a GGUF layer's type: Q8_0 / Q4_0 / Q4_1 codes as stored; other
-    4-bit types requantized to int4 (groups of 32), 5..8-bit ones to int8 (groups of 32),
-    float types kept in float32."""
-    from ..targets.decoder import weight_sources
-
-    names = weight_sources(path, tied)
-    bias = None if lin.bias is None else lin.bias.detach()
-    got = [blocks.get(n) for n in names]
-    if all(g is not None for g in got) and len({g[0] for g in got}) == 1:
-        fmt = got[0][0]
-        cat = lambda i: None if got[0][i] is None else torch.cat([g[i] for g in got])  # noqa: E731
-        try:
-            return QLinear.from_codes(fmt, cat(1), cat(2), cat(3), bias=bias)
-        except Eagle3Error:
-            pass  # a shape the packed layout cannot hold: float32 below
-    kinds = [types.get(n, "F32") for n in names]
-    fmt = ("int4" if any(k.startswith("Q4") for k in kinds)
-           else "int8" if any(k.startswith(("Q5", "Q6", "Q8")) for k in kinds) else "float32")
-    N, K = lin.weight.shape
-    try:
-        check_shape(N, K, fmt, 32 if fmt != "float32" else None)
-    except Eagle3Error:
-        fmt = "float32"
-    return QLinear.quantize(lin, fmt, 32 if fmt != "float32" else None)
 
 
 @torch.no_grad()

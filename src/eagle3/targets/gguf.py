@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,3 +342,43 @@ def gguf_tokenizer_dir(path: str) -> str | None:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def gguf_layers(target) -> Callable | None:
+    """For a target loaded from a GGUF file: a `kernels.quantize_model` layer builder that
+    puts each linear layer in the format nearest its GGUF type (`quantize='gguf'`); None for
+    other targets. The file's codes are handed over once and then dropped from the target."""
+    blocks, types = getattr(target, "gguf_blocks", None), getattr(target, "gguf_types", None)
+    target.gguf_blocks = target.gguf_types = None
+    if types is None:
+        return None
+    tied = bool(target.config.tie_word_embeddings)
+    return lambda path, lin: _layer(path, lin, tied, blocks, types)
+
+
+def _layer(path: str, lin, tied: bool, blocks: dict, types: dict):
+    """The format nearest a GGUF layer's type: Q8_0 / Q4_0 / Q4_1 codes as stored; other
+    4-bit types requantized to int4 (groups of 32), 5..8-bit ones to int8 (groups of 32),
+    float types kept in float32."""
+    from ..kernels import QLinear, check_shape
+    from .decoder import weight_sources
+
+    names = weight_sources(path, tied)
+    bias = None if lin.bias is None else lin.bias.detach()
+    got = [blocks.get(n) for n in names]
+    if all(g is not None for g in got) and len({g[0] for g in got}) == 1:
+        fmt = got[0][0]
+        cat = lambda i: None if got[0][i] is None else torch.cat([g[i] for g in got])  # noqa: E731
+        try:
+            return QLinear.from_codes(fmt, cat(1), cat(2), cat(3), bias=bias)
+        except Eagle3Error:
+            pass  # a shape the packed layout cannot hold: float32 below
+    kinds = [types.get(n, "F32") for n in names]
+    fmt = ("int4" if any(k.startswith("Q4") for k in kinds)
+           else "int8" if any(k.startswith(("Q5", "Q6", "Q8")) for k in kinds) else "float32")
+    N, K = lin.weight.shape
+    try:
+        check_shape(N, K, fmt, 32 if fmt != "float32" else None)
+    except Eagle3Error:
+        fmt = "float32"
+    return QLinear.quantize(lin, fmt, 32 if fmt != "float32" else None)

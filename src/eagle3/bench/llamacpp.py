@@ -1,0 +1,104 @@
+"""llama.cpp rows for `eagle3 bench --peers llama.cpp` (built by `make llama.cpp`).
+
+Each arm runs one llama.cpp tool per prompt on the same GGUF file: `llama-completion` for
+plain greedy decoding, `llama-speculative-simple --spec-type draft-eagle3` with our head
+converted by llama.cpp's own converter (`eagle3.llamacpp.head_to_gguf`). Prompts go in as
+text (our tokenizer's decoding of the prompt ids; llama.cpp parses the special tokens of
+a chat template itself) and the generated text comes back through our tokenizer, so
+`outputs_identical` compares tokens as everywhere else. Seconds are llama.cpp's own
+prompt + decode timings (model loading excluded), as ours exclude loading. `cost_ratios`
+reads `llama-bench`'s prompt-processing speed at M tokens against its 1-token decode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import Eagle3Error
+from ..llamacpp import BUILD_HINT, binary
+from .harness import Arm, Sample
+
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
+
+
+def missing() -> str | None:
+    """Why the llama.cpp rows cannot run here, or None."""
+    absent = [t for t in TOOLS if binary(t) is None]
+    return f"llama.cpp tools missing ({', '.join(absent)}): {BUILD_HINT}" if absent else None
+
+
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    run = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if run.returncode != 0:
+        last = [ln for ln in run.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        raise Eagle3Error(f"llama.cpp {what} failed: {last[0][:200]}")
+    return run
+
+
+def _ms(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    if m is None:
+        raise Eagle3Error(f"llama.cpp's output has no timing line matching {pattern!r}; "
+                          "rebuild it with scripts/build_llama_cpp.sh")
+    return float(m.group(1))
+
+
+def completion_arm(gguf: str, max_new_tokens: int, threads: int, decode: Callable[[list[int]], str],
+                   encode: Callable[[str], list[int]]) -> Arm:
+    """Plain greedy decoding with `llama-completion`."""
+    tool = str(binary("llama-completion"))
+
+    def run(ids: list[int]) -> Sample:
+        cmd = [tool, "-m", gguf, "-p", decode(ids), "-n", str(max_new_tokens), "--temp", "0",
+               "-t", str(threads), "-no-cnv", "--no-display-prompt", "-c", "4096", "--no-warmup"]
+        out = _run(cmd, "llama-completion")
+        prompt_ms = _ms(r"prompt eval time =\s+([\d.]+) ms", out.stderr)
+        eval_ms = _ms(r"\beval time =\s+([\d.]+) ms", out.stderr.split("prompt eval time")[-1])
+        return Sample(encode(out.stdout), (prompt_ms + eval_ms) / 1e3)
+    return run
+
+
+def eagle3_arm(gguf: str, head_gguf: str, max_new_tokens: int, k: int, threads: int,
+               decode: Callable[[list[int]], str], encode: Callable[[str], list[int]]) -> Arm:
+    """llama.cpp's EAGLE-3 (`llama-speculative-simple`, up to k drafts per round); the Sample's
+    stats carry its drafted / accepted counts and tau = tokens / target rounds."""
+    tool = str(binary("llama-speculative-simple"))
+
+    def run(ids: list[int]) -> Sample:
+        prompt = decode(ids)
+        cmd = [tool, "-m", gguf, "-md", head_gguf, "--spec-type", "draft-eagle3", "-p", prompt,
+               "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads),
+               "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-c", "4096"]
+        out = _run(cmd, "llama-speculative-simple")
+        log = out.stderr
+        enc = float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
+        dec = float(re.search(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
+        n_predict = int(re.search(r"n_predict\s*=\s*(\d+)", log).group(1))
+        drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
+        accepted = int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
+        text = out.stdout
+        # the tool echoes the prompt before the generated text
+        i = text.find(prompt)
+        text = text[i + len(prompt):] if i >= 0 else text
+        rounds = max(n_predict - accepted, 1)
+        stats = {"llama_cpp": True, "draft_tokens": drafted, "accepted_tokens": accepted,
+                 "rounds": rounds, "mean_accept_len": n_predict / rounds}
+        return Sample(encode(text.strip("\n")), enc + dec, stats)
+    return run
+
+
+def cost_ratios(gguf: str, threads: int, ms: tuple[int, ...] = (2, 4, 8)) -> dict[str, Any]:
+    """cost(M)/cost(1) of llama.cpp's forward: `llama-bench` pp M (M tokens in one batch)
+    against tg (one token at a time), same run; plus its plain tokens/s."""
+    tool = str(binary("llama-bench"))
+    cmd = [tool, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, ms)), "-n", "32",
+           "-r", "3", "-o", "json"]
+    rows = json.loads(_run(cmd, "llama-bench").stdout)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    ratios = {f"cost_{r['n_prompt']}_over_1": (r["n_prompt"] / r["avg_ts"]) * tg
+              for r in rows if r["n_prompt"] > 0}
+    return {"llama_bench_tg_tokens_per_s": tg, **ratios}
