@@ -48,15 +48,10 @@ def binary(name: str) -> Path | None:
 
 def _target_dir(target: str, out: str) -> str:
     """An HF-style directory (config.json + tokenizer) describing `target` for the converter."""
-    from .targets.gguf import find_gguf, gguf_tokenizer_dir, read_gguf
-    from .targets.named import resolve_target
+    from .targets import target_path
+    from .targets.gguf import gguf_tokenizer_dir, read_gguf
 
-    path = resolve_target(target)
-    if target == "default":
-        from .default import default_target_dir
-
-        path = default_target_dir()
-    gguf_file = find_gguf(path) if os.path.exists(path) or path.endswith(".gguf") else None
+    path, gguf_file = target_path(target)
     if gguf_file is None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise Eagle3Error(f"--target {target}: not a checkpoint directory, .gguf file or model "

@@ -39,10 +39,11 @@ def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
     return run
 
 
-def _ms(pattern: str, text: str) -> float:
+def _number(pattern: str, text: str) -> float:
+    """The number `pattern`'s group captures in llama.cpp's log, or a one-line error."""
     m = re.search(pattern, text)
     if m is None:
-        raise Eagle3Error(f"llama.cpp's output has no timing line matching {pattern!r}; "
+        raise Eagle3Error(f"llama.cpp's output has no line matching {pattern!r}; "
                           "rebuild it with scripts/build_llama_cpp.sh")
     return float(m.group(1))
 
@@ -56,8 +57,8 @@ def completion_arm(gguf: str, max_new_tokens: int, threads: int, decode: Callabl
         cmd = [tool, "-m", gguf, "-p", decode(ids), "-n", str(max_new_tokens), "--temp", "0",
                "-t", str(threads), "-no-cnv", "--no-display-prompt", "-c", "4096", "--no-warmup"]
         out = _run(cmd, "llama-completion")
-        prompt_ms = _ms(r"prompt eval time =\s+([\d.]+) ms", out.stderr)
-        eval_ms = _ms(r"\beval time =\s+([\d.]+) ms", out.stderr.split("prompt eval time")[-1])
+        prompt_ms = _number(r"prompt eval time =\s+([\d.]+) ms", out.stderr)
+        eval_ms = _number(r"\beval time =\s+([\d.]+) ms", out.stderr.split("prompt eval time")[-1])
         return Sample(encode(out.stdout), (prompt_ms + eval_ms) / 1e3)
     return run
 
@@ -75,11 +76,10 @@ def eagle3_arm(gguf: str, head_gguf: str, max_new_tokens: int, k: int, threads: 
                "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-c", "4096"]
         out = _run(cmd, "llama-speculative-simple")
         log = out.stderr
-        enc = float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
-        dec = float(re.search(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
-        n_predict = int(re.search(r"n_predict\s*=\s*(\d+)", log).group(1))
-        drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
-        accepted = int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
+        enc = _number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        dec = _number(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        n_predict, drafted, accepted = (int(_number(rf"{key}\s*=\s*(\d+)", log))
+                                        for key in ("n_predict", "n_drafted", "n_accept"))
         text = out.stdout
         # the tool echoes the prompt before the generated text
         i = text.find(prompt)

@@ -360,18 +360,11 @@ def llama_cpp_arms(args: argparse.Namespace, spec, ks: list[int], notes: list[st
 
     from ..bench import llamacpp as lc
     from ..llamacpp import head_to_gguf
-    from ..targets.gguf import find_gguf
-    from ..targets.named import resolve_target
+    from ..targets import target_path
 
     why = lc.missing()
-    path = args.target
     if why is None:
-        if path == "default":
-            from ..default import default_target_dir
-
-            path = default_target_dir()
-        path = resolve_target(path)
-        gguf = find_gguf(path) if path.endswith(".gguf") or os.path.isdir(path) else None
+        gguf = target_path(args.target)[1]
         if gguf is None:
             why = f"--target {args.target} is not a GGUF file (llama.cpp runs GGUF targets)"
         elif spec.tokenizer is None:

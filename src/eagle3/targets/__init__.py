@@ -138,6 +138,18 @@ def load_hf(path: str, *, dtype: torch.dtype | str | None = None,
     return HFTarget(model, max_seq_len=max_seq_len, taps=taps)
 
 
+def target_path(target: str) -> tuple[str, str | None]:
+    """Where `target` (a checkpoint dir, a .gguf file or a directory holding one, a model name
+    or 'default') lives: (path, its GGUF file or None), resolved as `load_target` does."""
+    if target == "default":
+        from ..default import default_target_dir
+
+        target = default_target_dir()
+    path = resolve_target(target)
+    exists = os.path.exists(path) or path.endswith(".gguf")
+    return path, find_gguf(path) if exists else None
+
+
 def _load_default(path: str | None = None, **kw) -> TapTarget:
     from ..default import default_target_dir
 
