@@ -131,3 +131,37 @@ def test_chat_streams_turns_and_resets(spec):
     ids = spec.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
     first = spec.tokenizer.decode(spec.plain().generate(ids, 16).token_ids)
     assert out.getvalue().startswith(first + "\n")
+
+
+@pytest.mark.skipif(not (HEAD / "config.json").is_file(), reason="models/default/head is not shipped")
+@pytest.mark.parametrize("quantize", ["int4", "gguf"])
+def test_real_model_in_a_quantized_format_is_bit_exact(quantize):
+    """SmolLM2 with its head in a packed format: verify rows == 1-row decode rows bitwise,
+    and speculative == plain decoding for K = 1..8, the default tree, and at the cache's end."""
+    from eagle3.kernels import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the row-invariant kernels do not run here")
+    spec = eagle3.load("smollm2-135m-instruct", str(HEAD), max_seq_len=160, quantize=quantize)
+    t = spec.target
+    assert t.exact
+    ids = spec.tokenizer.apply_chat_template(MESSAGES[0])
+    P = len(ids)
+    new = torch.randint(0, t.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = t.new_cache(1, 160)
+        t(torch.tensor([ids]), torch.arange(P), cache, kv_len=P)
+        verify, _ = t(new, torch.arange(P, P + 9), cache, kv_len=P + 9)
+        for i in range(9):
+            one, _ = t(new[:, i:i + 1], torch.arange(P + i, P + i + 1), cache, kv_len=P + i + 1)
+            assert torch.equal(one[0, 0], verify[0, i]), f"row {i}"
+    plain = spec.plain()
+    for msgs in MESSAGES:
+        ids = spec.tokenizer.apply_chat_template(msgs)
+        want = plain.generate(ids, 48).token_ids
+        for k in range(1, 9):
+            assert spec.generate(ids, 48, num_draft_tokens=k).token_ids == want, k
+        assert spec.generate(ids, 48, tree=True).token_ids == want
+        # to the cache's last slot: capacity cuts the drafts, the output stays plain's
+        n = 160 - len(ids)
+        assert spec.generate(ids, n, num_draft_tokens=6).token_ids == plain.generate(ids, n).token_ids
