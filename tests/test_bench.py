@@ -326,8 +326,14 @@ def test_cli_concurrency_json(dirs, tmp_path, capsys):
     target, head, prompts = dirs
     out = tmp_path / "serve.json"
     assert main(["bench", "--target", target, "--draft", head, "--prompts", prompts, "--max-new-tokens", "10",
-                 "--concurrency", "1,2", "--repeats", "1", "--json", str(out)]) == 0
+                 "--concurrency", "1,2", "--repeats", "1", "--json", str(out), "--plots", str(tmp_path)]) == 0
     report = json.loads(out.read_text())
+    png = (tmp_path / "latency_throughput.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000  # drawn, not an empty canvas
+    for row in report["concurrency"]:
+        for mode in ("plain", "eagle"):
+            r = row[mode]
+            assert r["e2e_s_p90"] >= r["e2e_s_median"] > 0 and r["requests_per_s"] > 0
     assert report["mode"] == "concurrency" and report["outputs_identical"] is True
     assert report["settings"]["num_draft_tokens"] == "auto"
     assert report["concurrency"][1]["eagle"]["batch_costs_ms"]["verify_ms"].keys() == {"1", "2"}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,16 +28,14 @@ pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
 
-import uvicorn  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import eagle3  # noqa: E402
 from eagle3.engine import Engine, EngineConfig  # noqa: E402
-from eagle3.serve import build_app  # noqa: E402
 from eagle3.serve.app import Generation, TextStream  # noqa: E402
 from eagle3.serve.metrics import ServerMetrics  # noqa: E402
 from eagle3.serve.protocol import APIError, GenerateParams  # noqa: E402
-from eagle3.tokenizer import Tokenizer  # noqa: E402
+from servers import Server, answers, kv_idle, wait_until, with_chat_template  # noqa: E402
 
 NAME = "eagle3-default"
 N = 32  # max_tokens of the greedy checks
@@ -47,70 +44,14 @@ PROMPTS = ["def parse_args(argv):", "import os\n", "class Foo:\n", "x = 1\n", "#
 EOS_PROMPT = "if __name__ == '__main__':\n    run()\n"  # the default model answers EOS at once
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "def parse_args(argv):"}]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 LONG = {"prompt": "import os\n", "max_tokens": 900, "temperature": 0}  # seconds of decoding
-
-
-class Server:
-    """uvicorn serving `build_app(engine, ...)` in a daemon thread on a free loopback port."""
-
-    def __init__(self, engine, name: str = NAME, **kw) -> None:
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, name, **kw), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: _answers(self.url + "/health"), 30, "the server never answered /health")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-    def post(self, path: str, body, **kw) -> requests.Response:
-        if isinstance(body, (dict, list)):
-            return requests.post(self.url + path, json=body, timeout=120, **kw)
-        return requests.post(self.url + path, data=body, timeout=120,
-                             headers={"Content-Type": "application/json"}, **kw)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        requests.get(url, timeout=2)
-        return True
-    except requests.ConnectionError:
-        return False
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(what)
-        time.sleep(0.02)
-
-
-def kv_idle(engine) -> bool:
-    m = engine.metrics()
-    return m["kv_used_tokens"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     """The default model, its tokenizer given a chat template (a copy of the files + the template)."""
     s = eagle3.load("default")
-    plain = s.tokenizer
-    d = tmp_path_factory.mktemp("tok")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(os.path.dirname(plain.path), f), d / f)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    s.tokenizer = Tokenizer(str(d / "tokenizer.json"))
-    s.plain_tokenizer = plain
+    with_chat_template(s, tmp_path_factory.mktemp("tok"))
     return s
 
 
@@ -516,9 +457,9 @@ def test_cli_serve_process(want, spec):
         wait_until(lambda: any("serving" in line for line in lines) or proc.poll() is not None, 120,
                    "no serving line")
         line = next(line for line in lines if "serving" in line)
-        assert line.startswith(f"eagle3: serving {NAME} on http://127.0.0.1:") and "(speculation on)" in line
+        assert line.startswith(f"eagle3: serving {NAME} on http://127.0.0.1:") and "(speculation on, API key off)" in line
         url = line.split(" on ")[1].split(" ")[0]
-        wait_until(lambda: _answers(url + "/health"), 30, "no /health")
+        wait_until(lambda: answers(url + "/health"), 30, "no /health")
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=N, temperature=0)
         assert r.choices[0].text == text_of(spec, want[PROMPTS[0]])

@@ -63,3 +63,34 @@ def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
            title=f"Accepted-length histogram (K={report['best_k']})")
     save(fig, "accept_hist.png")
     return paths
+
+
+def save_concurrency_plot(report: dict[str, Any], out_dir: str) -> str:
+    """latency_throughput.png for a `--concurrency` report: per mode (speculation off / on), one
+    point per concurrency (the offered load: requests kept in flight), throughput against
+    median and p90 end-to-end latency, and throughput against the load."""
+    from matplotlib.figure import Figure
+
+    os.makedirs(out_dir, exist_ok=True)
+    rows = report["concurrency"]
+    fig = Figure(figsize=(11, 4))
+    left, right = fig.subplots(1, 2)
+    for i, (mode, label) in enumerate((("plain", "plain decoding"), ("eagle", "EAGLE-3"))):
+        tput = [r[mode]["tokens_per_s"] for r in rows]
+        median = [r[mode]["e2e_s_median"] for r in rows]
+        left.plot(tput, median, "o-", color=f"C{i}", label=f"{label}, median")
+        if all(r[mode].get("e2e_s_p90") is not None for r in rows):
+            left.plot(tput, [r[mode]["e2e_s_p90"] for r in rows], "x:", color=f"C{i}", label=f"{label}, p90")
+        for r, x in zip(rows, tput, strict=True):
+            left.annotate(f"c={r['concurrency']}", (x, r[mode]["e2e_s_median"]), fontsize=7,
+                          textcoords="offset points", xytext=(3, 3))
+        right.plot([r["concurrency"] for r in rows], tput, "o-", color=f"C{i}", label=label)
+    left.set(xlabel="throughput (generated tokens/s)", ylabel="end-to-end latency, queue included (s)",
+             title="Latency against throughput")
+    right.set(xlabel="offered load (requests in flight)", ylabel="generated tokens/s", title="Throughput")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "latency_throughput.png")
+    fig.savefig(path, dpi=100)
+    return path

@@ -30,6 +30,14 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _quantile(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of xs, or None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
@@ -104,6 +112,9 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
                 "itl_ms_median": _ms(_median([x for r in rs for x in r["itl_s"]])),
                 "queue_ms_median": _ms(_median([x for r in rs for x in r["queue_s"]])),
                 "e2e_s_median": _median([x for r in rs for x in r["e2e_s"]]),
+                "e2e_s_p90": _quantile([x for r in rs for x in r["e2e_s"]], 0.9),
+                "ttft_ms_p90": _ms(_quantile([x for r in rs for x in r["ttft_s"]], 0.9)),
+                "requests_per_s": statistics.median(len(r["outputs"]) / r["seconds"] for r in rs),
                 "outputs_identical": all(r["outputs"] == want for r in rs),
                 "speculation": engine.speculate,
                 "mean_accept_len": 1.0 + accepted / drafts if drafts else None,

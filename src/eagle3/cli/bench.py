@@ -91,7 +91,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON to OUT")
     b.add_argument("--plots", default=None, metavar="DIR",
-                   help="write speedup.png, acceptance.png, accept_hist.png to DIR (needs matplotlib)")
+                   help="write speedup.png, acceptance.png, accept_hist.png to DIR; with --concurrency, "
+                        "latency_throughput.png (latency and throughput per offered load); needs matplotlib")
     b.set_defaults(func=cmd_bench)
     return b
 
@@ -432,6 +433,10 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
     print(markdown_concurrency(report))
     if args.json:
         _write(args.json, json.dumps(report, indent=2) + "\n")
+    if args.plots:
+        from ..bench.plots import save_concurrency_plot
+
+        save_concurrency_plot(report, args.plots)
     return 0
 
 

@@ -3,14 +3,47 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 
 from ..errors import Eagle3Error
 from .args import DRAFT_HELP, add_target_args, add_tree_args, decoding_kwargs, num_draft_tokens
 
+API_KEY_ENV = "EAGLE3_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:  # noqa: F821
+    """The --api-key / --max-* flags as `ServerLimits` (one-line error for a bad value)."""
+    from ..serve.protocol import ServerLimits  # the serving extras are imported only to serve
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    limits = ServerLimits(api_key=key, protect_metrics=args.protect_metrics,
+                          max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                          max_tokens=args.max_tokens, max_stop_strings=args.max_stop_strings,
+                          max_stop_length=args.max_stop_length, max_concurrent=args.max_concurrent,
+                          stream_stall_s=args.stream_stall_timeout)
+    try:
+        limits.check()
+    except ValueError as e:
+        flag = "--" + str(e).split(" ")[0].replace("_", "-").replace("stream-stall-s", "stream-stall-timeout")
+        raise Eagle3Error(f"{flag}: {e}") from None
+    if args.protect_metrics and key is None:
+        raise Eagle3Error(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
+    return limits
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
     import signal
     import socket
 
@@ -28,9 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.backend not in ("auto", "native"):
         raise Eagle3Error(f"eagle3 serve runs the eager native target; --backend {args.backend} is not "
                           "supported (use --backend auto or native)")
-    for name in ("port", "max_body_bytes"):
-        if getattr(args, name) < (0 if name == "port" else 1):
-            raise Eagle3Error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    if args.port < 0:
+        raise Eagle3Error("--port must be >= 0")
+    limits = server_limits(args)
     name = args.model_name or ("eagle3-default" if args.target == "default"
                                else os.path.basename(os.path.normpath(args.target)))
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
@@ -55,11 +88,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         engine.start()
-        server = uvicorn.Server(uvicorn.Config(build_app(engine, name, max_body_bytes=args.max_body_bytes),
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, name, limits=limits),
                                                log_level="warning", timeout_graceful_shutdown=5))
         host, port = sock.getsockname()[:2]
+        if limits.api_key is None and not is_loopback(args.host):
+            print(f"eagle3: warning: listening on {args.host} without an API key: anyone who can reach "
+                  f"port {port} can use it (set --api-key or {API_KEY_ENV})", file=sys.stderr, flush=True)
         print(f"eagle3: serving {name} on http://{host}:{port} (speculation "
-              f"{'on' if engine.speculate else 'off'})", file=sys.stderr, flush=True)
+              f"{'on' if engine.speculate else 'off'}, API key {'required' if limits.api_key else 'off'})",
+              file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
@@ -76,7 +113,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "/health and /metrics (Prometheus). Requests are batched by the engine "
                        "(continuous batching over a paged KV pool), each speculating with the head; "
                        "greedy outputs equal plain decoding's. Ctrl-C stops it. Needs pip install "
-                       "'eagle3[serve]'.")
+                       "'eagle3[serve]'. Binds 127.0.0.1 by default; put --api-key on any server "
+                       "others can reach.")
     add_target_args(s, engine=True)
     s.add_argument("--draft", default=None, help=DRAFT_HELP)
     s.add_argument("--host", default="127.0.0.1",
@@ -103,4 +141,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="abort a request after S seconds (answered 504); default: no limit")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default 1048576)")
+    a = s.add_argument_group("access and limits (each refusal is an OpenAI-style error)")
+    a.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1/* route (401 otherwise); "
+                        f"default: ${API_KEY_ENV} when set, else no key. /health stays open")
+    a.add_argument("--protect-metrics", action="store_true",
+                   help="require the API key on /metrics too (default: /metrics is open)")
+    a.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="longest prompt (after the chat template), in tokens; 400 above (default: the "
+                        "context)")
+    a.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="largest max_tokens a request may ask for; 400 above; also caps the chat "
+                        "default (default: the context)")
+    a.add_argument("--max-stop-strings", type=int, default=4, metavar="N",
+                   help="most stop strings per request (default 4)")
+    a.add_argument("--max-stop-length", type=int, default=256, metavar="N",
+                   help="longest stop string, in characters (default 256)")
+    a.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                   help="requests in flight at once (decoding, waiting or streaming); 429 above "
+                        "(default: --max-batch + --max-queue)")
+    a.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="S",
+                   help="a streaming client that reads nothing for S seconds is disconnected and its "
+                        "request aborted, freeing its KV (default 30)")
     s.set_defaults(func=cmd_serve)

@@ -3,18 +3,25 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both optionally streamed
 as server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).
 
+`ServerLimits` says what the server accepts (API key, sizes, counts); `Gate` checks the
+key and counts requests in flight before any handler runs.
+
 Each request is one `engine.submit(...)`; the engine thread hands its tokens to the
 event loop with `loop.call_soon_threadsafe`, and `Generation` turns them into text
 (incremental detokenisation that never splits a UTF-8 character, stop strings cut
 out of the text and held back while they might still be starting). A client that
 goes away, or a handler that is cancelled, aborts its engine request, which frees
-its KV slots.
+its KV slots; so does a streaming client that stops reading (`stream_stall_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,13 +30,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, notice
 from .metrics import ServerMetrics
-from .protocol import APIError, GenerateParams, parse_chat, parse_completion, parse_json
+from .protocol import (
+    APIError,
+    GenerateParams,
+    ServerLimits,
+    check_prompt_length,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    quote,
+)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = ServerLimits.max_body_bytes
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to here, so the client sees the 413
 
 
@@ -173,19 +190,104 @@ class Generation:
                 "mean_accept_len": 1.0 + accepted / drafts if drafts else None, "ttft_s": m.get("ttft_s")}
 
 
-class GenerationStream(StreamingResponse):
-    """A streamed answer that aborts its generation however the response ends."""
+class ClientStalled(Exception):
+    """A streaming client read nothing for `stream_stall_s` seconds."""
 
-    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
+
+class GenerationStream(StreamingResponse):
+    """A streamed answer that aborts its generation however the response ends.
+
+    Every send must finish within `stall_s`: a send only waits when the socket's buffers
+    are full, i.e. when the client has stopped reading. Such a client is cut off (its
+    connection closed, its request aborted and its KV freed) instead of holding pages.
+    """
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str], stall_s: float) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.gen = gen
+        self.gen, self.stall_s = gen, stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def guarded_send(message: Any) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, guarded_send)
+        except ClientStalled:  # returning with the response unfinished makes uvicorn drop the connection
+            self.gen.metrics.refused.labels("stalled_stream").inc()
+            notice(f"a streaming client read nothing for {self.stall_s:g} s; its request was aborted")
         finally:
             self.gen.close()
+
+
+class _QuietIncomplete(logging.Filter):
+    """uvicorn logs an error for a response we cut off on purpose (a stalled client)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without completing response" not in record.getMessage()
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietIncomplete())
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key, then the in-flight bound.
+
+    /v1/* (and /metrics when `protect_metrics`) need `Authorization: Bearer <key>`; the
+    key is compared through sha256 digests with `hmac.compare_digest`, so the time taken
+    says nothing about the key. POSTs to /v1/* count as in flight until their response
+    ends (streams included); one more than `max_concurrent` is answered 429 at once.
+    """
+
+    def __init__(self, app: Any, limits: ServerLimits, max_concurrent: int, metrics: ServerMetrics) -> None:
+        self.app, self.limits, self.max_concurrent, self.metrics = app, limits, max_concurrent, metrics
+        key = limits.api_key
+        self.key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.in_flight = 0
+
+    def _guarded(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or (path == "/metrics"
+                                                             and self.limits.protect_metrics)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(digest, self.key_digest) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if self.key_digest is not None and self._guarded(path) and not self._authorized(scope):
+            err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                           "with the key the server was started with (--api-key)", code="invalid_api_key")
+            self.metrics.refused.labels("unauthorized").inc()
+            await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
+            return
+        if scope.get("method") != "POST" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_concurrent:
+            err = APIError(429, f"the server is handling {self.in_flight} requests, its limit "
+                           "(--max-concurrent); retry later", code="too_many_requests")
+            self.metrics.refused.labels("too_many_requests").inc()
+            await JSONResponse(err.body(), status_code=429, headers={"Retry-After": "1"})(
+                scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 def _sse(obj: Any) -> str:
@@ -197,13 +299,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        too_big = too_big or size > limit
-        if not too_big:
-            chunks.append(chunk)
-        elif size > DRAIN_LIMIT:
-            break
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            too_big = too_big or size > limit
+            if not too_big:
+                chunks.append(chunk)
+            elif size > DRAIN_LIMIT:
+                break
+    except ClientDisconnect:  # nobody will read the answer; no traceback in the log either
+        raise APIError(400, "the client went away before sending its whole body",
+                       code="client_disconnected") from None
     if too_big:
         raise APIError(413, f"the request body is over {limit} bytes (--max-body-bytes)",
                        code="body_too_large")
@@ -217,11 +323,34 @@ async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
     gen.close()
 
 
-def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """An OpenAI-compatible app serving `engine` (started by the caller) as `model_name`."""
+def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` (started by the caller) as `model_name`.
+
+    `limits` (default `ServerLimits()`: no key, context-sized prompts) says what it accepts;
+    `max_body_bytes` overrides its body limit.
+    """
+    limits = limits or ServerLimits()
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
+    try:
+        limits.check()
+    except ValueError as e:
+        raise Eagle3Error(str(e)) from None
+    max_body_bytes = limits.max_body_bytes
     app = FastAPI(title="eagle3", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
-    app.state.engine, app.state.metrics = engine, metrics
+    max_concurrent = limits.max_concurrent or engine.config.max_batch + engine.config.max_queue
+    gate = None
+
+    def make_gate(inner: Any) -> Gate:
+        nonlocal gate
+        gate = Gate(inner, limits, max_concurrent, metrics)
+        return gate
+
+    app.add_middleware(make_gate)
+    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+    app.state.in_flight = lambda: gate.in_flight if gate is not None else 0
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -252,8 +381,8 @@ def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {quote(model_id)} does not exist; this server serves "
+                           f"'{model_name}'", param="model", code="model_not_found")
         return model_card()
 
     @app.get("/metrics")
@@ -263,7 +392,7 @@ def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        p = parse_completion(parse_json(await _read_body(request, max_body_bytes)), model_name)
+        p = parse_completion(parse_json(await _read_body(request, max_body_bytes)), model_name, limits)
         ids = p.prompt_ids
         if p.prompt_text is not None:
             tok = engine.spec.tokenizer
@@ -273,11 +402,12 @@ def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX
             ids = tok.encode(p.prompt_text)
             if not ids:
                 raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
+        check_prompt_length(len(ids), limits, "prompt")
         return await _answer(request, False, ids, p.max_tokens, p)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        p = parse_chat(parse_json(await _read_body(request, max_body_bytes)), model_name)
+        p = parse_chat(parse_json(await _read_body(request, max_body_bytes)), model_name, limits)
         tok = engine.spec.tokenizer
         if tok is None:
             raise APIError(400, "this model ships no tokenizer, so chat messages cannot be encoded; use "
@@ -286,9 +416,10 @@ def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX
             ids = tok.apply_chat_template(p.messages)
         except Eagle3Error as e:
             raise APIError(400, str(e), param="messages") from None
+        check_prompt_length(len(ids), limits, "messages")
         max_tokens = p.max_tokens
-        if max_tokens is None:  # default: the rest of the context
-            max_tokens = engine.max_model_len - len(ids)
+        if max_tokens is None:  # default: the rest of the context (within the server's limit)
+            max_tokens = min(engine.max_model_len - len(ids), limits.max_tokens or engine.max_model_len)
             if max_tokens < 1:
                 raise APIError(400, f"the messages ({len(ids)} tokens) fill the model's context of "
                                f"{engine.max_model_len} tokens; shorten them", param="messages")
@@ -300,7 +431,7 @@ def build_app(engine: Any, model_name: str, *, max_body_bytes: int = DEFAULT_MAX
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": model_name}
         if p.stream:
-            return GenerationStream(gen, _stream(gen, head, chat, p.include_usage))
+            return GenerationStream(gen, _stream(gen, head, chat, p.include_usage), limits.stream_stall_s)
         watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
         try:
             text = "".join([piece async for piece in gen.deltas()])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -75,6 +75,10 @@ class ServerMetrics:
         self.registry.register(EngineCollector(engine))
         self.histograms = {key: Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
                            for key, name, doc in HISTOGRAMS}
+        # Requests the server itself turned away or cut off, by reason (unauthorized,
+        # too_many_requests, stalled_stream).
+        self.refused = Counter(PREFIX + "server_refused_requests", "Requests refused or cut off by the "
+                               "server, by reason.", ["reason"], registry=self.registry)
 
     def observe(self, request_metrics: dict[str, Any]) -> None:
         """Record one finished request's latencies (missing ones, e.g. never admitted, are skipped)."""
