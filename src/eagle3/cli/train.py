@@ -20,7 +20,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         batch=args.batch, warmup=args.warmup, grad_clip=args.grad_clip, seed=args.seed,
         resume=args.resume, ckpt_every=args.ckpt_every, prompt_len=args.prompt_len,
         response_len=args.response_len, prompts_per_file=args.prompts_per_file,
-        regen_batch=args.regen_batch, temperature=args.temperature, features=args.features,
+        regen_batch=args.regen_batch, regen_chunk=args.regen_chunk,
+        temperature=args.temperature, features=args.features,
         taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
         stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
         max_prompt_len=args.max_prompt_len, autocast=args.autocast))
@@ -60,13 +61,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--warmup", type=int, default=50, help="linear warmup steps before cosine decay")
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt (also after kill -9: every output is "
+                        "written atomically, so the result equals an uninterrupted run's)")
     t.add_argument("--ckpt-every", type=int, default=100)
     t.add_argument("--prompt-len", type=int, default=64,
                    help="prompt length in tokens when cutting prompts from text files")
     t.add_argument("--prompts-per-file", type=int, default=4)
     t.add_argument("--response-len", type=int, default=96, help="tokens the target generates per prompt")
     t.add_argument("--regen-batch", type=int, default=32, help="prompts per regeneration batch")
+    t.add_argument("--regen-chunk", type=int, default=256,
+                   help="prompts per cached regeneration chunk: a killed run redoes at most one "
+                        "(default 256)")
     t.add_argument("--temperature", type=float, default=0.0,
                    help="regenerate by sampling at this temperature (default 0: greedy)")
     t.add_argument("--features", choices=("online", "offline"), default="online",

@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import Eagle3Error
+from ..files import atomic_dir, check_writable
 from .kv import ExportKVCache
 
 PROGRAM_FILE = "program.pte"
@@ -187,6 +187,11 @@ def check_out_dir(out_dir: str) -> None:
         raise Eagle3Error(f"cannot write to {parent}; choose a writable --out")
 
 
+def _weight_bytes(spec: Any) -> int:
+    return sum(t.numel() * t.element_size() for m in (spec.target, spec.draft) if isinstance(m, nn.Module)
+               for t in (*m.parameters(), *m.buffers()))
+
+
 def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
                    max_draft_tokens: int = 8, quantize: str = "none", source: dict | None = None,
                    tokenizer_dir: str | None = None, log=print) -> dict[str, Any]:
@@ -209,6 +214,9 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
             to_stock_layers(model)
     check_exportable(spec, max_seq_len, max_draft_tokens)
     check_out_dir(out_dir)
+    # The program holds the weights (at most float32): room for them before minutes of lowering.
+    check_writable(os.path.dirname(os.path.abspath(out_dir)), need_bytes=_weight_bytes(spec) + (1 << 20),
+                   what="the parent of --out")
     from .quantize import quantize_weights
 
     metadata = {
@@ -233,9 +241,9 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
     programs = export_methods(spec, max_seq_len, max_draft_tokens)
     log(f"lowering to ExecuTorch + XNNPACK (a minute or more) ... [{time.perf_counter() - t0:.0f} s]")
     data = lower(programs, metadata)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    tmp = tempfile.mkdtemp(prefix=".eagle3-export-", dir=parent)  # renamed into place when complete
-    try:
+    # Filled in a temporary directory beside out_dir, fsynced and renamed into place when complete:
+    # a failed or killed export leaves no partial OUT (and the next export removes its leftovers).
+    with atomic_dir(out_dir) as tmp:
         with open(os.path.join(tmp, PROGRAM_FILE), "wb") as f:
             f.write(data)
         with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -244,15 +252,6 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copy(os.path.join(tokenizer_dir, name), tmp)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise Eagle3Error(f"cannot write the program to {out_dir} ({e.strerror or e}); "
-                              "check the disk and the path") from None
-        raise
     log(f"wrote {os.path.join(out_dir, PROGRAM_FILE)} ({len(data) / 1e6:.1f} MB) in "
         f"{time.perf_counter() - t0:.0f} s")
     return metadata

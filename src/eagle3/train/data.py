@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import Eagle3Error, notice
+from ..files import atomic_write
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs")
 
@@ -248,13 +249,9 @@ def _load_chunk(path: str, key: str) -> list[Sample] | None:
 
 
 def _save_chunk(path: str, key: str, samples: list[Sample]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:  # temp file, fsync, rename: a kill never leaves a torn chunk
         torch.save({"key": key, "tokens": [s.tokens for s in samples],
                     "masks": [s.mask for s in samples]}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def collate(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,12 +5,16 @@ vocabulary -> TTT epochs (target frozen; its taps and logits captured on the
 fly, or once to memory-mapped files with --features offline) -> the head in
 the official and speculators formats, a report (JSON + PNG curves).
 Checkpoints every --ckpt-every steps; --resume continues exactly where a
-killed run stopped. Under `torchrun --nproc_per_node N -m eagle3 train-draft`
+killed run stopped. Every output (regenerated chunks, the feature store's completion marker,
+the checkpoint, the heads, the report) is written atomically (`eagle3.files`), so `kill -9` at
+any moment loses at most the work since the last chunk or checkpoint, and the output directory
+is checked for room before the long work starts. Under `torchrun --nproc_per_node N -m eagle3 train-draft`
 it trains data-parallel (gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -27,6 +31,7 @@ from ..draft import attach_head
 from ..draft.formats import save_head
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import Eagle3Error, notice
+from ..files import atomic_dir, atomic_write, check_writable, fsync_file, write_error
 from ..targets import load_target
 from ..targets.config import RopeConfig
 from ..tokenizer import load_tokenizer
@@ -58,6 +63,7 @@ class TrainArgs:
     response_len: int = 96
     prompts_per_file: int = 4
     regen_batch: int = 32
+    regen_chunk: int = 256  # prompts per cached regeneration chunk (a kill loses at most one)
     temperature: float = 0.0
     features: str = "online"  # online | offline
     autocast: bool = False  # bf16 autocast for the head's forward/backward (fp32 master weights)
@@ -102,7 +108,11 @@ def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, ta
 
 
 class FeatureStore:
-    """Target taps and draft-vocab logits for every sample, computed once into .npy memmaps."""
+    """Target taps and draft-vocab logits for every sample, computed once into .npy memmaps.
+
+    `features.json` marks a complete store (the key and the shapes); it is removed before a
+    capture starts and written atomically after the memmaps are flushed and fsynced, so a
+    store that a kill interrupted is never trusted: the next run captures it again."""
 
     def __init__(self, root: Path, target, samples: list[Sample], ids: torch.Tensor, key: str,
                  batch: int, progress: bool) -> None:
@@ -114,13 +124,10 @@ class FeatureStore:
         width = len(target.tap_layers) * target.config.hidden_size
         meta = root / "features.json"
         files = (root / "taps.npy", root / "logits.npy")
-        ok = meta.is_file() and json.loads(meta.read_text()).get("key") == key
-        mode = "r" if ok else "w+"
-        self.taps = np.lib.format.open_memmap(files[0], mode=mode, dtype=np.float16, shape=(n, width))
-        self.logits = np.lib.format.open_memmap(files[1], mode=mode, dtype=np.float16,
-                                                shape=(n, ids.numel()))
-        if ok:
+        marker = {"key": key, "dtype": "float16", "shapes": [[n, width], [n, int(ids.numel())]]}
+        if self._open_complete(meta, marker, files):
             return
+        self._create(meta, marker, files)
         for s in tqdm(range(0, len(samples), batch), desc="caching target features", disable=not progress):
             chunk = samples[s:s + batch]
             tokens, _ = collate(chunk)
@@ -129,9 +136,43 @@ class FeatureStore:
                 a, L = self.offsets[s + j], smp.tokens.numel()
                 self.taps[a:a + L] = taps[j, :L].numpy()
                 self.logits[a:a + L] = logits[j, :L][..., ids].numpy()
-        self.taps.flush()
-        self.logits.flush()
-        meta.write_text(json.dumps({"key": key}))
+        try:
+            for arr, path in zip((self.taps, self.logits), files):
+                arr.flush()
+                fsync_file(str(path))
+        except OSError as e:
+            raise write_error(str(root), e) from None
+        with atomic_write(meta, "w") as f:  # last: the store is complete
+            json.dump(marker, f)
+
+    def _open_complete(self, meta: Path, marker: dict, files: tuple[Path, Path]) -> bool:
+        """Open a complete store with this key and these shapes read-only; False if there is none."""
+        try:
+            if json.loads(meta.read_text()) != marker:
+                return False
+            arrays = [np.lib.format.open_memmap(f, mode="r") for f in files]
+        except (OSError, ValueError):  # missing, torn or foreign: captured again
+            return False
+        if [list(a.shape) for a in arrays] != marker["shapes"] or any(a.dtype != np.float16 for a in arrays):
+            return False
+        self.taps, self.logits = arrays
+        return True
+
+    def _create(self, meta: Path, marker: dict, files: tuple[Path, Path]) -> None:
+        """Empty memmaps with their disk space reserved up front (a full disk fails here with a
+        clear error, not later as a crash on a write to a sparse mapping)."""
+        need = sum(2 * r * c for r, c in marker["shapes"]) - sum(f.stat().st_size for f in files
+                                                                 if f.is_file())
+        check_writable(meta.parent, need_bytes=max(0, need), what="the feature store in")
+        try:
+            meta.unlink(missing_ok=True)  # first: a store being rewritten is never trusted
+            arrays = [np.lib.format.open_memmap(f, mode="w+", dtype=np.float16, shape=tuple(shape))
+                      for f, shape in zip(files, marker["shapes"])]
+            for f in files:
+                _reserve(f)
+        except OSError as e:
+            raise write_error(str(meta.parent), e) from None
+        self.taps, self.logits = arrays
 
     def get(self, index: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         taps = torch.zeros(len(index), T, self.taps.shape[1])
@@ -141,6 +182,37 @@ class FeatureStore:
             taps[j, :L] = torch.from_numpy(self.taps[a:a + L].astype(np.float32))
             logits[j, :L] = torch.from_numpy(self.logits[a:a + L].astype(np.float32))
         return taps, logits
+
+
+def _reserve(path: Path) -> None:
+    """Allocate the whole file on disk (where the file system can)."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    finally:
+        os.close(fd)
+
+
+def head_bytes(tc, draft_vocab: int) -> int:
+    """A head's fp32 parameter bytes for target config `tc` (roughly: the layer, fc and lm_head)."""
+    H = tc.hidden_size
+    heads = getattr(tc, "num_attention_heads", max(1, H // 64))
+    hd = getattr(tc, "head_dim", H // heads)
+    kv = getattr(tc, "num_key_value_heads", heads)
+    inter = getattr(tc, "intermediate_size", 4 * H)
+    return 4 * (3 * H * H + 2 * H * (heads + 2 * kv) * hd + heads * hd * H + 3 * H * inter
+                + H * draft_vocab + 4 * H)
+
+
+def output_bytes(tc, draft_vocab: int) -> int:
+    """Room the outputs need at their largest: the checkpoint (weights + two Adam moments) and its
+    temporary copy while the previous one stays, two head formats and their temporaries, slack."""
+    return 10 * head_bytes(tc, draft_vocab) + (1 << 20)
 
 
 @torch.no_grad()
@@ -186,13 +258,20 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
     prompts = read_prompts(args.data, tok, prompt_len=args.prompt_len,
                            prompts_per_file=args.prompts_per_file, seed=args.seed,
                            vocab_size=target.config.vocab_size, max_prompt_len=args.max_prompt_len)
+    if args.features == "offline" and rank == 0:  # the store's largest size, before regenerating
+        tokens = sum(len(p) for p in prompts) + len(prompts) * args.response_len
+        width = len(target.tap_layers) * target.config.hidden_size + args.draft_vocab
+        have = sum(f.stat().st_size for f in (out / "data" / "taps.npy", out / "data" / "logits.npy")
+                   if f.is_file())  # an earlier store is overwritten in place
+        check_writable(out, need_bytes=output_bytes(target.config, args.draft_vocab)
+                       + max(0, 2 * tokens * width - have))
     key = cache_key(args.target, args.response_len, args.temperature, args.seed,
                     target.config.eos_token_ids, args.dtype)
     regen = lambda cached_only: regenerate(
         target, prompts, response_len=args.response_len, eos_ids=target.config.eos_token_ids,
         batch_size=args.regen_batch, temperature=args.temperature, seed=args.seed,
         progress=args.progress and rank == 0, chunk_dir=str(out / "data"), key=key,
-        cached_only=cached_only)
+        chunk_size=args.regen_chunk, cached_only=cached_only)
     samples = regen(False) if rank == 0 else None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -215,17 +294,11 @@ def train_draft(args: TrainArgs) -> dict:
 
     rank, world = _dist()
     out = Path(args.out)
-    try:
-        (out / "data").mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{rank}"  # per rank: ranks probe at the same time
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise Eagle3Error(f"cannot write to --out {args.out} ({e.strerror}); choose a writable "
-                          "directory") from None
+    check_writable(out)  # before loading anything
+    check_writable(out / "data")
     if args.features not in ("online", "offline"):
         raise Eagle3Error("--features must be 'online' or 'offline'")
-    for name in ("ttt_steps", "epochs", "batch"):
+    for name in ("ttt_steps", "epochs", "batch", "regen_chunk"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch % world:
@@ -235,6 +308,7 @@ def train_draft(args: TrainArgs) -> dict:
     if not 1 <= args.draft_vocab <= V:  # before the (possibly long) regeneration
         raise Eagle3Error(f"--draft-vocab {args.draft_vocab} must be in 1..{V} (the target's "
                           "vocabulary size)")
+    check_writable(out, need_bytes=output_bytes(target.config, args.draft_vocab))
     if args.taps:
         target.tap_layers = args.taps
     taps = tuple(target.tap_layers)
@@ -261,7 +335,7 @@ def train_draft(args: TrainArgs) -> dict:
     step, log = 0, []
     ckpt = out / "checkpoint.pt"
     if args.resume and ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(ckpt)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, log = state["step"], state["log"]
@@ -317,10 +391,9 @@ def train_draft(args: TrainArgs) -> dict:
                         accN=f"{acc[-1]:.2f}", tok_s=f"{tokens_done / (time.time() - t0):.0f}")
         bar.update(1)
         if rank == 0 and (step % args.ckpt_every == 0 or step == stop):
-            tmp = str(ckpt) + ".tmp"
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
-                        "args": asdict(args)}, tmp)
-            os.replace(tmp, ckpt)
+            with atomic_write(ckpt) as f:  # the previous checkpoint stays until this one is whole
+                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
+                            "args": asdict(args)}, f)
     bar.close()
     report = {}
     if rank == 0:
@@ -330,18 +403,31 @@ def train_draft(args: TrainArgs) -> dict:
     return report
 
 
+def load_checkpoint(path: Path) -> dict:
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # written atomically, so only a foreign or damaged file gets here
+        raise Eagle3Error(f"cannot read the checkpoint {path} ({type(e).__name__}); delete it to start "
+                          "fresh, or drop --resume") from None
+    if not isinstance(state, dict) or not {"head", "opt", "step", "log"} <= state.keys():
+        raise Eagle3Error(f"{path} is not a train-draft checkpoint; delete it or drop --resume")
+    return state
+
+
 def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tensor,
            samples: list[Sample], out: Path) -> dict:
     """Save the head (official + speculators), the report JSON and the PNG curves."""
-    save_head(head, str(out / "head"), "official")
-    save_head(head, str(out / "head-speculators"), "speculators")
+    for name, fmt in (("head", "official"), ("head-speculators", "speculators")):
+        with atomic_dir(out / name) as tmp:  # a head directory is whole or absent
+            save_head(head, tmp, fmt)
     tail = log[-min(len(log), 20):]
     report = {"steps": len(log), "final_loss": sum(r["loss"] for r in tail) / max(1, len(tail)),
               "final_acc_per_step": [round(sum(r["acc"][i] for r in tail) / len(tail), 4)
                                      for i in range(len(tail[0]["acc"]))] if tail else [],
               "samples": len(samples), "draft_vocab_size": int(ids.numel()),
               "taps": list(head.config.taps or ()), "args": asdict(args), "log": log}
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    with atomic_write(out / "report.json", "w") as f:
+        f.write(json.dumps(report, indent=1))
     try:
         plot_report(log, out / "report.png")
     except ImportError:
@@ -369,5 +455,8 @@ def plot_report(log: list[dict], path: Path) -> None:
     b.set_title("accuracy per TTT step")
     b.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    try:
+        with atomic_write(path) as f:
+            fig.savefig(f, dpi=90, format="png")
+    finally:
+        plt.close(fig)
