@@ -47,6 +47,26 @@ def _has_fc(path: str) -> bool:
     return False
 
 
+def _check_headers(files: list[str]) -> None:
+    """Read each safetensors header (not the tensors): a truncated or corrupt weight file is
+    reported by inspect as it would be by a load."""
+    from safetensors import safe_open
+
+    for f in files:
+        if not f.endswith(".safetensors"):
+            continue
+        try:
+            with safe_open(f, "pt") as st:
+                st.keys()
+        except FileNotFoundError:
+            raise Eagle3Error(f"weight file {f} is missing: the checkpoint is incomplete; "
+                              "re-download or re-save it") from None
+        except Exception as e:  # safetensors raises its own SafetensorError and OSError
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise Eagle3Error(f"cannot read {f} ({reason}): the file is truncated or corrupt; "
+                              "re-download or re-save the checkpoint") from None
+
+
 def inspect_head(path: str, raw: dict) -> dict[str, Any]:
     """Describe an EAGLE-3 head (reads its tensors for the embedding and d2t checks)."""
     from .draft.formats import read_head, validate_head
@@ -144,6 +164,7 @@ def inspect_path(path: str) -> dict[str, Any]:
                     max_seq_len=min(max_pos, 4096) if isinstance(max_pos, int) else 4096)
     info["default_taps"] = _taps_info(L)
     files = weight_files(path)
+    _check_headers(files)
     info["weights"] = ", ".join(os.path.basename(f) for f in files)
     info["weight_bytes"] = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     info["tokenizer"] = os.path.isfile(os.path.join(path, "tokenizer.json"))

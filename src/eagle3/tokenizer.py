@@ -35,25 +35,28 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def _chat_template(self, where: str) -> tuple[str, dict]:
-        """(template source, tokenizer_config.json contents) or an Eagle3Error naming `where`."""
+    def _chat_template(self, where: str) -> tuple[str, dict, str]:
+        """(template source, tokenizer_config.json contents, the file the template came from),
+        or an Eagle3Error naming `where`."""
         folder = os.path.dirname(self.path)
         cfg_path = os.path.join(folder, "tokenizer_config.json")
-        cfg = {}
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        template = cfg.get("chat_template")
+        cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+        template, source = cfg.get("chat_template"), cfg_path
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = {t.get("name"): t.get("template") for t in template}.get("default")
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
         jinja_path = os.path.join(folder, "chat_template.jinja")
         if not template and os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja_path, encoding="utf-8") as f:
+                    template, source = f.read(), jinja_path
+            except (OSError, UnicodeDecodeError) as e:
+                raise Eagle3Error(f"cannot read {jinja_path} ({str(e)[:80]}); fix, re-download or "
+                                  "delete it") from None
         if not isinstance(template, str) or not template:
             raise Eagle3Error(f"{where}: the tokenizer in {folder} has no chat template (chat_template.jinja "
                               "or tokenizer_config.json's chat_template); give prompts instead of messages")
-        return template, cfg
+        return template, cfg, source
 
     def has_chat_template(self) -> bool:
         """Whether `apply_chat_template` can render messages."""
@@ -69,7 +72,7 @@ class Tokenizer:
         Matches transformers' `apply_chat_template(messages, add_generation_prompt=True,
         tokenize=True)`: the template's text is encoded without extra special tokens.
         """
-        template, cfg = self._chat_template(where)
+        template, cfg, source = self._chat_template(where)
         try:
             import jinja2
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -92,8 +95,22 @@ class Tokenizer:
             text = env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                     **special)
         except jinja2.exceptions.TemplateError as e:
-            raise Eagle3Error(f"{where}: the chat template failed: {str(e)[:200]}") from None
+            raise Eagle3Error(f"{where}: the chat template of {source} failed: {str(e)[:200]}; fix "
+                              "the template or give prompts instead of messages") from None
         return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _read_json(path: str) -> dict:
+    """A tokenizer side file (tokenizer_config.json) as a dict, or a one-line error naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise Eagle3Error(f"cannot read {path} ({str(e)[:80]}); fix, re-download or delete it") from None
+    if not isinstance(cfg, dict):
+        raise Eagle3Error(f"{path} must hold a JSON object, not {type(cfg).__name__}; fix, "
+                          "re-download or delete it")
+    return cfg
 
 
 def load_tokenizer(target: str) -> Tokenizer | None:

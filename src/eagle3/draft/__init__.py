@@ -23,12 +23,19 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
     cfg, tcfg = head.config, target.config
     if cfg.vocab_size != tcfg.vocab_size:
         raise Eagle3Error(f"{where} was made for a vocabulary of {cfg.vocab_size} tokens, the target has "
-                          f"{tcfg.vocab_size}: this head belongs to a different target")
+                          f"{tcfg.vocab_size}: this head belongs to a different target; use the head "
+                          "made for it")
     if cfg.target_hidden_size != tcfg.hidden_size:
         raise Eagle3Error(f"{where} expects target hidden size {cfg.target_hidden_size}, the target has "
-                          f"{tcfg.hidden_size}: this head belongs to a different target")
-    taps = taps or cfg.taps or default_taps(tcfg.num_hidden_layers)
-    taps = validate_taps(taps, tcfg.num_hidden_layers)
+                          f"{tcfg.hidden_size}: this head belongs to a different target; use the head "
+                          "made for it")
+    if not taps and cfg.taps:
+        try:
+            taps = validate_taps(cfg.taps, tcfg.num_hidden_layers)
+        except Eagle3Error as e:  # name the file the bad ids came from
+            raise Eagle3Error(f"{where}: the config's eagle_aux_hidden_state_layer_ids do not fit the "
+                              f"target ({e}); fix the head's config.json or pass taps") from None
+    taps = validate_taps(taps or default_taps(tcfg.num_hidden_layers), tcfg.num_hidden_layers)
     if len(taps) != cfg.num_taps:
         raise Eagle3Error(f"{where}: fc takes {cfg.num_taps} taps but the config names {len(taps)}")
     target.tap_layers = taps

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import Eagle3Error, notice
 from ..targets.checkpoint import read_state_dict
-from ..targets.config import RopeConfig, _rope_from_dict, read_config_json
+from ..targets.config import MAX_SIZE, RopeConfig, _rope_from_dict, read_config_json
 from .model import DraftConfig, Eagle3Draft
 
 FORMATS = ("official", "sglang", "speculators")
@@ -50,7 +50,8 @@ def detect_format(cfg: dict, where: str = "config.json") -> str:
         return "official"
     raise Eagle3Error(f"{where} is not an EAGLE-3 head (architectures {archs}, "
                       f"{cfg.get('num_hidden_layers')} layers): expected the official release, "
-                      "SGLang (LlamaForCausalLMEagle3) or vLLM speculators format")
+                      "SGLang (LlamaForCausalLMEagle3) or vLLM speculators format; pass a head "
+                      "directory (or fix / re-download its config.json)")
 
 
 def _positive(d: dict, key: str, where: str, default: int | None = None) -> int:
@@ -58,9 +59,9 @@ def _positive(d: dict, key: str, where: str, default: int | None = None) -> int:
     v = d.get(key)
     if v is None and default is not None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= MAX_SIZE or v != int(v):
         raise Eagle3Error(f"{where}: head config has {key}={v!r}, expected a positive integer; "
-                          "the config is incomplete or corrupt")
+                          "the config is incomplete or corrupt (fix it or re-download the head)")
     return int(v)
 
 
@@ -69,7 +70,8 @@ def _number(d: dict, key: str, where: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise Eagle3Error(f"{where}: head config has {key}={v!r}, expected a positive number")
+        raise Eagle3Error(f"{where}: head config has {key}={v!r}, expected a positive number; fix it "
+                          "or re-download the head")
     return float(v)
 
 
@@ -87,17 +89,29 @@ def _taps(taps, where: str) -> tuple[int, ...] | None:
         return None
     if not isinstance(taps, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
         raise Eagle3Error(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer "
-                          f"indices, got {taps!r}")
+                          f"indices, got {taps!r}; fix config.json")
     return tuple(taps)
 
 
 def parse_head_config(cfg: dict, where: str = "config.json") -> tuple[str, DraftConfig]:
     """(format, DraftConfig) from a head's config.json dict."""
+    try:
+        return _parse_head_config(cfg, where)
+    except Eagle3Error:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:  # a wrong value
+        reason = (str(e).splitlines() or [""])[0][:120]
+        raise Eagle3Error(f"{where}: malformed head config ({type(e).__name__}: {reason}); fix it or "
+                          "re-download the head") from None
+
+
+def _parse_head_config(cfg: dict, where: str) -> tuple[str, DraftConfig]:
     fmt = detect_format(cfg, where)
     if fmt == "speculators":
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
-            raise Eagle3Error(f"{where}: a speculators head needs 'transformer_layer_config'")
+            raise Eagle3Error(f"{where}: a speculators head needs a 'transformer_layer_config' object; "
+                          "fix config.json or re-download the head")
         taps = cfg.get("eagle_aux_hidden_state_layer_ids")
     else:
         layer = cfg
@@ -110,12 +124,14 @@ def parse_head_config(cfg: dict, where: str = "config.json") -> tuple[str, Draft
     draft_vocab = _positive(cfg, "draft_vocab_size", where, vocab)
     if _positive(layer, "num_hidden_layers", where, 1) != 1:
         raise Eagle3Error(f"{where}: EAGLE-3 heads have one decoder layer, this config says "
-                          f"{layer.get('num_hidden_layers')}")
+                          f"{layer.get('num_hidden_layers')}; fix config.json")
     if heads % kv or head_dim % 2:
         raise Eagle3Error(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
-                          f"{kv} and head_dim {head_dim} even; the config is corrupt")
+                          f"{kv} and head_dim {head_dim} even; the config is corrupt: fix it or "
+                          "re-download the head")
     if draft_vocab > vocab:
-        raise Eagle3Error(f"{where}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
+        raise Eagle3Error(f"{where}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}; fix "
+                          "config.json")
     if layer.get("hidden_act", "silu") not in ("silu", "swish"):
         raise Eagle3Error(f"{where}: draft activation '{layer.get('hidden_act')}' is not supported "
                           "(silu only)")
@@ -157,7 +173,7 @@ def validate_head(dcfg: DraftConfig, state: dict[str, torch.Tensor], where: str)
         missing.append("input_norm.weight")
     if missing:
         raise Eagle3Error(f"{where} lacks tensor(s) {', '.join(missing[:3])}: the head file is "
-                          "incomplete or not an EAGLE-3 head")
+                          "incomplete or not an EAGLE-3 head; re-download or re-convert it")
     H, hd = dcfg.hidden_size, dcfg.head_dim
     q = state["midlayer.self_attn.q_proj.weight"]
     if q.shape[0] != dcfg.num_attention_heads * hd:
@@ -187,31 +203,34 @@ def validate_head(dcfg: DraftConfig, state: dict[str, torch.Tensor], where: str)
         t = state[name]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise Eagle3Error(f"{where}: tensor {name} is not a floating-point tensor; the head file "
-                              "is corrupt")
+                              "is corrupt; re-download or re-convert it")
         if tuple(t.shape) != shape:
             raise Eagle3Error(f"{where}: tensor {name} has shape {tuple(t.shape)}, the "
-                              f"config implies {shape}; the head's config and weights disagree")
+                              f"config implies {shape}; the head's config and weights disagree "
+                              "(fix config.json or re-download the head)")
     if dcfg.draft_vocab_size != dcfg.vocab_size and "d2t" not in state:
         raise Eagle3Error(f"{where}: a reduced vocabulary ({dcfg.draft_vocab_size} of {dcfg.vocab_size}) "
-                          "needs a d2t table mapping draft ids to target ids; the head file lacks it")
+                          "needs a d2t table mapping draft ids to target ids; the head file lacks it "
+                          "(fix config.json's vocabulary sizes or re-download the head)")
     if "d2t" in state:
         d2t = state["d2t"]
         if (not isinstance(d2t, torch.Tensor) or d2t.shape != (dcfg.draft_vocab_size,)
                 or d2t.is_floating_point() or d2t.dtype == torch.bool):
             raise Eagle3Error(f"{where}: d2t must be an integer tensor of length "
                               f"{dcfg.draft_vocab_size}, got {getattr(d2t, 'dtype', type(d2t).__name__)} "
-                              f"{tuple(getattr(d2t, 'shape', ()))}")
+                              f"{tuple(getattr(d2t, 'shape', ()))}; re-download or re-convert the head")
         target_ids = torch.arange(dcfg.draft_vocab_size) + d2t.long()
         if target_ids.min() < 0 or target_ids.max() >= dcfg.vocab_size:
             raise Eagle3Error(f"{where}: d2t maps draft ids outside the target vocabulary "
-                              f"(0..{dcfg.vocab_size - 1}); the table is corrupt or for another target")
+                              f"(0..{dcfg.vocab_size - 1}); the table is corrupt or for another target: "
+                              "re-download the head")
         if target_ids.unique().numel() != target_ids.numel():
             raise Eagle3Error(f"{where}: d2t maps two draft ids to the same target id "
-                              "(not injective); the table is corrupt")
+                              "(not injective); the table is corrupt: re-download the head")
     t2d = state.get("t2d")
     if t2d is not None and (not isinstance(t2d, torch.Tensor) or tuple(t2d.shape) != (dcfg.vocab_size,)):
         raise Eagle3Error(f"{where}: t2d has shape {tuple(getattr(t2d, 'shape', ()))}, expected "
-                          f"({dcfg.vocab_size},)")
+                          f"({dcfg.vocab_size},); re-download or re-convert the head")
     known = set(expect) | {"d2t", "t2d"}
     return [k for k in state if k not in known]
 

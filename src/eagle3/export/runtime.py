@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,12 @@ from ..decoding.backend import Layout
 from ..errors import Eagle3Error, notice
 from ..kv import SlotBook
 from ..speculator import Eagle3Speculator, GenerationResult
-from .program import FORMAT_VERSION, META_FILE, PROGRAM_FILE
+from .program import CONTRACT_METHODS, EXTRA_METHODS, FORMAT_VERSION, META_FILE, PROGRAM_FILE
+
+# Bounds on the metadata's sizes: beyond them the file is corrupt (the runner allocates
+# (tokens, vocab_size) score tables and per-position bookkeeping from these numbers).
+MAX_VOCAB = 2**24
+MAX_SEQ_LEN = 2**24
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,17 @@ class ProgramBackend:
         self.draft_cache = SlotBook(self.max_len) if speculate else None
 
     def run(self, name: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        return self.methods[name].execute([x.contiguous() for x in inputs])
+        try:
+            out = self.methods[name].execute([x.contiguous() for x in inputs])
+        except RuntimeError as e:  # the program disagrees with its metadata, or is corrupt
+            raise Eagle3Error(f"the exported program failed in method {name} ({_first_line(e)}); "
+                              "the program.pte or its metadata is corrupt: export again") from None
+        ids = out[0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise Eagle3Error(f"the exported program's method {name} returned token ids outside its "
+                              f"vocabulary (0..{self.vocab_size - 1}); the program.pte or its metadata "
+                              "is corrupt: export again")
+        return out
 
     def _positions(self, layout: Layout, T: int) -> torch.Tensor:
         if not layout.causal or len(layout.starts) != 1:
@@ -151,7 +167,112 @@ def read_metadata(program_dir: str) -> dict[str, Any]:
                            "eos_token_ids", "methods") if k not in meta]
     if missing:
         raise Eagle3Error(f"{program_dir}/{META_FILE} lacks '{missing[0]}'; export again")
+    _check_metadata(meta, f"{program_dir}/{META_FILE}")
     return meta
+
+
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_metadata(meta: dict[str, Any], where: str) -> None:
+    """Types and ranges of the values the runner uses, so a corrupt file fails here, not mid-run."""
+    def bad(key: str, want: str) -> Eagle3Error:
+        return Eagle3Error(f"{where}: '{key}' must be {want}, got {str(meta.get(key))[:40]}; the "
+                           "metadata is corrupt: export again")
+
+    if not _is_int(meta["max_seq_len"], 2, MAX_SEQ_LEN):
+        raise bad("max_seq_len", f"an integer in 2..{MAX_SEQ_LEN}")
+    if not _is_int(meta["max_draft_tokens"], 1, meta["max_seq_len"]):
+        raise bad("max_draft_tokens", "a positive integer below max_seq_len")
+    if not _is_int(meta["vocab_size"], 1, MAX_VOCAB):
+        raise bad("vocab_size", f"an integer in 1..{MAX_VOCAB}")
+    if not _is_int(meta["draft_vocab_size"], 1, meta["vocab_size"]):
+        raise bad("draft_vocab_size", "a positive integer up to vocab_size")
+    for key in ("taps", "eos_token_ids"):
+        if not isinstance(meta[key], list) or not all(_is_int(t, -2**31, 2**31) for t in meta[key]):
+            raise bad(key, "a list of integers")
+    if not meta["taps"]:
+        raise bad("taps", "a non-empty list of integers")
+    methods = meta["methods"]
+    needed = (*CONTRACT_METHODS, *EXTRA_METHODS)
+    if not isinstance(methods, list) or any(m not in methods for m in needed):
+        raise bad("methods", f"a list naming {', '.join(needed)}")
+    if not isinstance(meta.get("quantize", "none"), str):
+        raise bad("quantize", "a weight format name")
+
+
+def _load_methods(runtime: Any, program_dir: str, names: list[str]) -> tuple[Any, dict[str, Any]]:
+    """The program and its methods. ExecuTorch logs its verification failures to stderr from
+    native code: they are kept out of the terminal and the first one goes into the error."""
+    path = os.path.join(program_dir, PROGRAM_FILE)
+    with _native_stderr() as log:
+        try:
+            program = runtime.load_program(path)
+            missing = [m for m in names if m not in program.method_names]
+            methods = {} if missing else {name: program.load_method(name) for name in names}
+        except (RuntimeError, ValueError) as e:
+            log.failed = True
+            detail = f"{_first_line(e)}; {log.first_line()}" if log.first_line() else _first_line(e)
+            raise Eagle3Error(f"{path} is not a loadable ExecuTorch program ({detail}): the file is "
+                              "truncated or corrupt; export again") from None
+    if missing:
+        raise Eagle3Error(f"{path} lacks method {missing[0]}; export again")
+    return program, methods
+
+
+class _native_stderr:
+    """Redirect file descriptor 2 to a temporary file; on success replay what was written."""
+
+    def __enter__(self) -> _native_stderr:
+        import sys
+        import tempfile
+
+        sys.stderr.flush()
+        self.failed = False
+        self.file = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def first_line(self) -> str:
+        self.file.seek(0)
+        lines = self.file.read().decode(errors="replace").splitlines()
+        return next((ln.strip()[:120] for ln in lines if ln.strip()), "")
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        if not self.failed:  # nothing went wrong that the error names: keep what was logged
+            self.file.seek(0)
+            os.write(2, self.file.read())
+        self.file.close()
+
+
+def check_pte(path: str) -> None:
+    """The .pte's identifier and extended header against the file's size, before native code
+    reads it: a truncated or foreign file fails here with a one-line error."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(40)
+    except OSError as e:
+        raise Eagle3Error(f"cannot read {path} ({e.strerror or e}); export again") from None
+    problem = None
+    if len(head) < 40 or head[4:6] != b"ET" or head[8:12] != b"eh00":
+        problem = "no ExecuTorch header"
+    else:
+        header_len, program_size, base, data_size = struct.unpack("<IQQQ", head[12:40])
+        data_size = data_size if header_len >= 32 else 0  # older headers lack the segment size
+        if program_size > size or (base and (base < program_size or base + data_size > size)):
+            problem = f"its header describes {max(program_size, base + data_size)} bytes, the file has {size}"
+    if problem:
+        raise Eagle3Error(f"{path} is not a complete ExecuTorch program ({problem}): the file is "
+                          "truncated or corrupt; export again")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 class ExecutorchSpeculator(Eagle3Speculator):
@@ -169,17 +290,8 @@ class ExecutorchSpeculator(Eagle3Speculator):
                 raise Eagle3Error("the executorch backend needs ExecuTorch: pip install "
                                   "'eagle3[export]'") from None
             load_custom_ops()  # the llama:: kernels the program calls
-            try:
-                program = Runtime.get().load_program(os.path.join(program_dir, PROGRAM_FILE))
-            except (RuntimeError, ValueError) as e:
-                raise Eagle3Error(f"{program_dir}/{PROGRAM_FILE} is not a loadable ExecuTorch program "
-                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                                  "export again") from None
-            missing = [m for m in meta["methods"] if m not in program.method_names]
-            if missing:
-                raise Eagle3Error(f"{program_dir}/{PROGRAM_FILE} lacks method {missing[0]}; export again")
-            methods = {name: program.load_method(name) for name in meta["methods"]}
-            _loaded = (program, methods, meta)
+            check_pte(os.path.join(program_dir, PROGRAM_FILE))
+            _loaded = (*_load_methods(Runtime.get(), program_dir, meta["methods"]), meta)
         self._program, self.methods, self.meta = _loaded
         if speculate and self.meta.get("quantize", "none") != "none":
             notice(f"{program_dir} is {self.meta['quantize']}-quantized: its int8 activations round "

@@ -55,7 +55,8 @@ def _generation_eos(path: str) -> tuple[int, ...] | None:
         return None
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
-        raise Eagle3Error(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        raise Eagle3Error(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}; "
+                          "fix or delete the file")
     return tuple(ids)
 
 
@@ -94,9 +95,27 @@ def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
     return model
 
 
+def check_sizes(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """The config's vocabulary, width and depth against the tensors, before any module is built:
+    a corrupt config (10**9 layers, a huge hidden size) fails here instead of exhausting memory."""
+    embed = state.get("model.embed_tokens.weight")
+    if not isinstance(embed, torch.Tensor):
+        raise Eagle3Error(f"{where} lacks tensor model.embed_tokens.weight: the weights are "
+                          "incomplete or not a causal LM; re-download or re-convert the checkpoint")
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise Eagle3Error(f"{where}: model.embed_tokens.weight has shape {tuple(embed.shape)} but the "
+                          f"config implies ({cfg.vocab_size}, {cfg.hidden_size}); the config and weights "
+                          "disagree (fix the config, or re-download / re-convert the checkpoint)")
+    found = {k.split(".")[2] for k in state if k.startswith("model.layers.")}
+    if cfg.num_hidden_layers > len(found):
+        raise Eagle3Error(f"{where}: the config says {cfg.num_hidden_layers} layers but the weights "
+                          f"hold {len(found)}; fix the config, or re-download / re-convert the checkpoint")
+
+
 def _build_native(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str, dtype,
                   taps) -> NativeTarget:
     dt = resolve_dtype(dtype)
+    check_sizes(cfg, state, where)
     with torch.device("meta"):
         model = NativeTarget(cfg)
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()

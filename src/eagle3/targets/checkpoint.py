@@ -67,14 +67,16 @@ def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], where: st
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise Eagle3Error(f"{where} lacks tensor(s) {', '.join(missing[:3])}{more}: the weights "
-                          "do not match config.json (wrong or incomplete checkpoint)")
+                          "do not match config.json (wrong or incomplete checkpoint); re-download or "
+                          "re-convert it")
     for name, p in own.items():
         if name not in state:
             continue
         t = state[name]
         if tuple(t.shape) != tuple(p.shape):
             raise Eagle3Error(f"{where}: tensor {name} has shape {tuple(t.shape)} but config.json "
-                              f"implies {tuple(p.shape)}; the weights and config disagree")
+                              f"implies {tuple(p.shape)}; the weights and config disagree (fix "
+                              "config.json, or re-download / re-convert the checkpoint)")
     module.load_state_dict({n: state[n].to(dtype) for n in own if n in state},
                            strict=False, assign=True)
     return [k for k in state if k not in own and not k.endswith(ignore_suffixes)]

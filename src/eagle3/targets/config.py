@@ -88,13 +88,21 @@ def read_config_json(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise Eagle3Error(f"{cfg_path} is not valid JSON ({e}); re-save the checkpoint") from None
     if not isinstance(cfg, dict):
-        raise Eagle3Error(f"{cfg_path} must hold a JSON object, not {type(cfg).__name__}")
+        raise Eagle3Error(f"{cfg_path} must hold a JSON object, not {type(cfg).__name__}; fix or "
+                          "re-download it")
+    archs = cfg.get("architectures")
+    if not isinstance(cfg.get("model_type", ""), str) or not (
+            archs is None or isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise Eagle3Error(f"{cfg_path}: model_type must be a string and architectures a list of "
+                          "strings; the file is corrupt (fix or re-download it)")
     return cfg
 
 
 def _rope_from_dict(d: dict | None, theta: float, where: str) -> RopeConfig:
     if not d:
-        return RopeConfig(theta=float(theta))
+        rope = RopeConfig(theta=float(theta))
+        _check_rope(rope, where)
+        return rope
     rope_type = d.get("rope_type", d.get("type", "default")) or "default"
     theta = float(d.get("rope_theta", theta))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -103,39 +111,58 @@ def _rope_from_dict(d: dict | None, theta: float, where: str) -> RopeConfig:
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise Eagle3Error(f"{where}: partial rotary embeddings are not supported natively; "
                           "load with backend='hf'")
-    return RopeConfig(
+    rope = RopeConfig(
         theta=theta, rope_type=rope_type, factor=float(d.get("factor", 1.0)),
         low_freq_factor=float(d.get("low_freq_factor", 1.0)),
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)))
+    _check_rope(rope, where)
+    return rope
+
+
+def _check_rope(rope: RopeConfig, where: str) -> None:
+    """Values the RoPE tables divide by: a corrupt config fails here, not at load time."""
+    positive = (rope.theta, rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                rope.original_max_position_embeddings)
+    if not all(math.isfinite(v) and v > 0 for v in positive) or (
+            rope.rope_type == "llama3" and rope.low_freq_factor == rope.high_freq_factor):
+        raise Eagle3Error(f"{where}: RoPE parameters {rope} are out of range (positive, finite, "
+                          "distinct llama3 frequency factors); fix config.json")
 
 
 def _need(cfg: dict, key: str, where: str):
     if key not in cfg or cfg[key] is None:
-        raise Eagle3Error(f"{where}: config.json lacks '{key}'; the checkpoint's config is incomplete")
+        raise Eagle3Error(f"{where}: config.json lacks '{key}'; the checkpoint's config is incomplete "
+                          "(fix it or re-download the checkpoint)")
     return cfg[key]
 
 
-def _size(cfg: dict, key: str, where: str, default: int | None = None) -> int:
-    """`cfg[key]` as a positive int; `default` (when given) stands in for a missing/null/0 value."""
+# Sizes beyond these are corrupt configs, not models: refused before anything is allocated.
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 10_000
+
+
+def _size(cfg: dict, key: str, where: str, default: int | None = None, limit: int = MAX_SIZE) -> int:
+    """`cfg[key]` as an int in 1..limit; `default` (when given) stands in for a missing/null/0 value."""
     value = cfg.get(key)
     if value in (None, 0) and default is not None:
         return default
     value = _need(cfg, key, where)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise Eagle3Error(f"{where}: '{key}' must be a positive integer, got {value!r}; "
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise Eagle3Error(f"{where}: '{key}' must be an integer in 1..{limit}, got {value!r}; "
                           "fix config.json")
     return value
 
 
-def _layer_types(cfg: dict, model_type: str, n_layers: int) -> list[str]:
+def _layer_types(cfg: dict, model_type: str, n_layers: int, where: str) -> list[str]:
     types = cfg.get("layer_types")
     if types:
-        if len(types) != n_layers:
-            raise Eagle3Error(f"config.json: layer_types has {len(types)} entries for "
-                              f"{n_layers} layers")
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in kinds for t in types):
+            raise Eagle3Error(f"{where}: layer_types must list {n_layers} entries of {' / '.join(kinds)}, "
+                              f"got {str(types)[:60]}; fix config.json")
         return list(types)
     if model_type == "gemma2":
         return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
@@ -158,7 +185,7 @@ def parse_decoder_config(cfg: dict, where: str = "config.json",
         return _parse_decoder_config(cfg, where, max_seq_len)
     except Eagle3Error:
         raise
-    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a value of the wrong type
+    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:  # a wrong value
         reason = (str(e).splitlines() or [""])[0][:120]
         raise Eagle3Error(f"{where}: malformed config.json ({type(e).__name__}: {reason}); fix or "
                           "re-save the checkpoint's config") from None
@@ -176,14 +203,14 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
     n_heads = _size(cfg, "num_attention_heads", where)
     n_kv = _size(cfg, "num_key_value_heads", where, default=n_heads)
     head_dim = _size(cfg, "head_dim", where, default=max(H // n_heads, 1))
-    n_layers = _size(cfg, "num_hidden_layers", where)
+    n_layers = _size(cfg, "num_hidden_layers", where, limit=MAX_LAYERS)
     if n_heads % n_kv:
         raise Eagle3Error(f"{where}: num_attention_heads {n_heads} is not a multiple of "
-                          f"num_key_value_heads {n_kv}")
+                          f"num_key_value_heads {n_kv}; fix config.json")
     max_pos = _size(cfg, "max_position_embeddings", where, default=4096)
 
     # RoPE: transformers 5 `rope_parameters` or the older top-level keys.
-    types = _layer_types(cfg, model_type, n_layers)
+    types = _layer_types(cfg, model_type, n_layers, where)
     rp = cfg.get("rope_parameters")
     base = float(cfg.get("rope_theta", 10000.0))
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
@@ -198,8 +225,11 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
         if model_type == "gemma3_text" and "sliding_attention" in ropes:
             local = float(cfg.get("rope_local_base_freq", 10000.0))
             ropes["sliding_attention"] = RopeConfig(theta=local)
+            _check_rope(ropes["sliding_attention"], where)
 
     window = cfg.get("sliding_window")
+    if window is not None and any(t == "sliding_attention" for t in types):
+        window = _size(cfg, "sliding_window", where, default=0) or None
     windows = tuple(int(window) if (t == "sliding_attention" and window) else None for t in types)
 
     if gemma:

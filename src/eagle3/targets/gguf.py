@@ -120,7 +120,7 @@ def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
     heads = get("attention.head_count")
     if H is None or heads is None or get("block_count") is None:
         raise Eagle3Error(f"{where}: GGUF metadata lacks {arch}.embedding_length / block_count / "
-                          "attention.head_count; the file is incomplete")
+                          "attention.head_count; the file is incomplete: re-download or re-convert it")
     if isinstance(heads, list) or isinstance(get("attention.head_count_kv"), list):
         raise Eagle3Error(f"{where}: per-layer head counts are not supported by the native decoder")
     layers = int(get("block_count"))
@@ -128,7 +128,7 @@ def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
     vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens") or rows.get("token_embd.weight")
     if not vocab:
         raise Eagle3Error(f"{where}: no token_embd.weight tensor and no vocabulary size; the file is "
-                          "incomplete")
+                          "incomplete: re-download or re-convert it")
     model_type = ARCHITECTURES[arch]
     cfg = {
         "model_type": model_type, "architectures": [f"{arch} (GGUF)"],
@@ -211,7 +211,7 @@ def _dequantize(tensor, where: str) -> torch.Tensor:
         return arr.reshape(shape)
     except (ValueError, TypeError, RuntimeError) as e:  # short data: the file was cut
         raise Eagle3Error(f"{where}: tensor {tensor.name} cannot be decoded ({str(e)[:80]}); the "
-                          "file is truncated or corrupt") from None
+                          "file is truncated or corrupt: re-download or re-convert it") from None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -261,14 +261,18 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
         if types is not None:
             types[name] = t.tensor_type.name
         permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
+        heads = n_head if "q_proj" in name else n_kv
+        if permute and (w.dim() != 2 or w.shape[0] % (2 * heads)):
+            raise Eagle3Error(f"{ckpt.path}: tensor {t.name} has shape {tuple(w.shape)}, which does "
+                              f"not split into {heads} heads; the file is corrupt: re-download or "
+                              "re-convert it")
         if blocks is not None and t.tensor_type.name in BLOCK_FORMATS and w.dim() == 2:
             fmt, *parts = block_codes(t)
             if permute:  # llama.cpp's permutation moves whole rows: move the codes with them
-                heads = n_head if "q_proj" in name else n_kv
                 parts = [p if p is None else _unpermute(p, heads) for p in parts]
             blocks[name] = (fmt, *parts)
         if permute:
-            w = _unpermute(w, n_head if "q_proj" in name else n_kv)
+            w = _unpermute(w, heads)
         if gemma and name.endswith("norm.weight"):
             w = w - 1.0
         state[name] = w
