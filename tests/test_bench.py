@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,3 +344,33 @@ def test_cli_concurrency_json(dirs, tmp_path, capsys):
                       (["--draft", "none", "--concurrency", "2"], "needs a draft head")):
         assert main(["bench", "--target", target, "--prompts", prompts] + bad) == 2, bad
         assert want in err(capsys), bad
+
+
+@pytest.mark.slow
+def test_cli_memory_report(dirs, tmp_path):
+    """--memory: a fresh process's load time and peak RSS, with the KV cache's bytes as the
+    target's shapes give them (k and v, every layer, every position, fp32)."""
+    target, head, prompts = dirs
+    out = tmp_path / "mem.json"
+    assert main(["bench", "--target", target, "--draft", head, "--prompts", prompts, "--max-new-tokens", "8",
+                 "--num-draft-tokens", "2", "--tree", "none", "--repeats", "1", "--peers", "none",
+                 "--memory", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    row = report["memory"]["eagle3 default"]
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    hcfg = json.loads((Path(head) / "config.json").read_text())["transformer_layer_config"]
+
+    def per_position(c: dict) -> float:  # k and v of one layer, fp32, MiB
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return 2 * c["num_key_value_heads"] * head_dim * 4 / 2 ** 20
+
+    n = row["max_seq_len"]
+    target_kv = cfg["num_hidden_layers"] * per_position(cfg) * n
+    # the head's one layer holds the context plus room for a round's drafts (a tree's scratch)
+    head_kv = per_position(hcfg)
+    assert target_kv + head_kv * n <= row["kv_cache_mb"] <= target_kv + head_kv * (n + 512)
+    files = sum(f.stat().st_size for d in (target, head) for f in Path(d).glob("*.safetensors")) / 2 ** 20
+    assert 0.5 * files < row["weights_mb"] < 2.5 * files
+    assert 0 < row["import_rss_mb"] <= row["peak_rss_mb"] and 0 < row["load_s"] < 60
+    need = row["weights_mb"] + row["kv_cache_mb"]
+    assert row["peak_over_need"] == pytest.approx(row["peak_rss_mb"] / need)

@@ -89,6 +89,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="assistant model checkpoint for transformers assisted generation")
     b.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is steadier on a busy machine)")
+    b.add_argument("--memory", action="store_true",
+                   help="also report load time (warm) and peak resident memory of one generation, each "
+                        "in a fresh process, against the bytes of its weights + KV cache: eagle3 per "
+                        "--quantize format, and llama.cpp's llama-completion on the same GGUF with "
+                        "--peers llama.cpp (JSON key memory)")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON to OUT")
     b.add_argument("--plots", default=None, metavar="DIR",
                    help="write speedup.png, acceptance.png, accept_hist.png to DIR; with --concurrency, "
@@ -342,6 +347,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                               for k, b in backends.items()})
     report["notes"] = notes
     print(markdown(report))
+    if args.memory:
+        report["memory"] = memory_rows(args, spec, formats, prompts[0], "llama.cpp" in (args.peers or ""))
+        from ..bench.memory import markdown_memory
+
+        print("\n" + markdown_memory(report["memory"]))
     if args.json:
         _write(args.json, json.dumps(report, indent=2) + "\n")
     if args.plots:
@@ -349,6 +359,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         save_plots(report, args.plots)
     return 0
+
+
+def memory_rows(args: argparse.Namespace, spec, formats: list, prompt_ids: list[int],
+                with_llama_cpp: bool) -> dict:
+    """`--memory`: one fresh-process measurement per weight format, and llama.cpp's (bench/memory.py)."""
+    import torch
+
+    from ..bench import llamacpp as lc
+    from ..bench import memory
+    from ..llamacpp import binary
+    from ..targets import target_path
+
+    threads = torch.get_num_threads()
+    text = spec.tokenizer.decode(prompt_ids, skip_special_tokens=False) if spec.tokenizer else ""
+    draft = None if args.draft in (None, "default") else args.draft
+    rows = {}
+    for fmt in formats:
+        rows[f"eagle3 {fmt or 'default'}"] = memory.eagle3_memory(
+            args.target, draft, fmt, text, args.max_new_tokens, threads, max_seq_len=spec.max_seq_len)
+    gguf = target_path(args.target)[1]
+    if with_llama_cpp and gguf is not None and lc.missing() is None:
+        rows["llama.cpp"] = memory.llamacpp_memory(str(binary("llama-completion")), gguf, text,
+                                                   args.max_new_tokens, threads, spec.max_seq_len)
+    return rows
 
 
 def llama_cpp_arms(args: argparse.Namespace, spec, ks: list[int], notes: list[str]) -> dict:
