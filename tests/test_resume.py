@@ -300,6 +300,14 @@ def test_atomic_write_and_dir_replace_whole_or_not_at_all(tmp_path):
     with atomic_dir(d) as tmp:
         Path(tmp, "config.json").write_text("v4")
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "head"]
+    # Killed between moving the previous version aside and moving the new one in: nothing is at
+    # `head`; the next writer first puts the previous version back, then replaces it whole.
+    os.replace(d, tmp_path / f".head.previous-{dead}-z")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(d) as tmp:
+            assert (d / "config.json").read_text() == "v4"  # restored before anything else
+            raise RuntimeError("killed again")
+    assert (d / "config.json").read_text() == "v4" and sorted(os.listdir(tmp_path)) == ["a.txt", "head"]
 
 
 # -- export --------------------------------------------------------------------------------------

@@ -184,10 +184,31 @@ def test_stalled_stream_client_is_cut_off(spec):
         engine.stop()
 
 
+def test_stalled_body_is_408_and_frees_its_slot(engine):
+    """A client that sends half a body and then nothing gets 408 after stream_stall_s, and its
+    in-flight slot (max_concurrent=1 here) is free again."""
+    srv = Server(engine, limits=ServerLimits(max_concurrent=1, stream_stall_s=0.5))
+    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    try:
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        slow.settimeout(30)
+        reply = slow.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in reply, reply[:300]
+        slow.close()
+        assert srv.post("/v1/completions", body).status_code == 200
+    finally:
+        srv.close()
+    assert kv_idle(engine)
+
+
 def test_limits_are_checked():
     for bad in (ServerLimits(max_tokens=0), ServerLimits(max_prompt_tokens=-1),
                 ServerLimits(stream_stall_s=0), ServerLimits(stream_stall_s=float("nan")),
-                ServerLimits(api_key=""), ServerLimits(api_key="a\nb"), ServerLimits(max_concurrent=True)):
+                ServerLimits(api_key=""), ServerLimits(api_key="a\nb"), ServerLimits(max_concurrent=True),
+                ServerLimits(api_key=" key"), ServerLimits(api_key="key "), ServerLimits(api_key="clé"),
+                ServerLimits(api_key="two words")):
         with pytest.raises(ValueError):
             bad.check()
 
@@ -201,11 +222,12 @@ def _env(**extra: str) -> dict[str, str]:
 def test_cli_refuses_bad_limits():
     base = [sys.executable, "-m", "eagle3", "serve", "--port", "0"]
     cmds = [base + ["--protect-metrics"], base + ["--max-tokens", "0"],
-            base + ["--stream-stall-timeout", "-1"]]
-    with ThreadPoolExecutor(3) as pool:
+            base + ["--stream-stall-timeout", "-1"], base + ["--api-key", " spaced "]]
+    with ThreadPoolExecutor(4) as pool:
         done = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, env=_env(),
                                                       timeout=120), cmds))
-    for p, flag in zip(done, ("--api-key", "--max-tokens", "--stream-stall-timeout"), strict=True):
+    flags = ("--api-key", "--max-tokens", "--stream-stall-timeout", "--api-key")
+    for p, flag in zip(done, flags, strict=True):
         assert p.returncode == 2 and p.stdout == "", p.stderr
         assert p.stderr.count("\n") == 1 and p.stderr.startswith("eagle3: error:") and flag in p.stderr
 

@@ -15,3 +15,10 @@ def notice(message: str) -> None:
     import sys
 
     print(f"eagle3: {message}", file=sys.stderr)
+
+
+def brief(e: BaseException) -> str:
+    """An exception as one short line ("Type: first line of the message"), for a request's error:
+    torch's messages run to many lines of internals that no client should see."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__

@@ -22,6 +22,7 @@ from typing import IO
 from .errors import Eagle3Error
 
 _PARTIAL = ".partial-"  # temporaries are named .<name>.partial-<pid>-<random>
+_PREVIOUS = ".previous-"  # a directory's previous version, moved aside while the new one moves in
 
 
 def fsync_dir(path: str) -> None:
@@ -65,20 +66,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale(entry: str, prefix: str) -> bool:
+    """Whether `entry` (named prefix + pid + ...) belongs to a process that no longer runs; our
+    own pid counts too: a reused pid of a killed earlier run (one writer per path per process)."""
+    pid = entry[len(prefix):].split("-", 1)[0]
+    return pid.isdigit() and (pid == str(os.getpid()) or not _alive(int(pid)))
+
+
 def clean_stale(path: str) -> None:
-    """Remove the temporaries of `path` left by processes that no longer run (killed writers)."""
+    """Tidy what killed writers of `path` left: a previous version moved aside is put back when
+    `path` is missing (the kill fell between the two renames), every other temporary removed."""
     parent, name = os.path.split(os.path.abspath(path))
-    prefix = f".{name}{_PARTIAL}"
+    prefix, previous = f".{name}{_PARTIAL}", f".{name}{_PREVIOUS}"
     try:
         entries = os.listdir(parent)
     except OSError:
         return
     for entry in entries:
+        if entry.startswith(previous) and _stale(entry, previous):
+            if not os.path.lexists(path):
+                os.replace(os.path.join(parent, entry), path)
+            else:
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    for entry in entries:
         if not entry.startswith(prefix):
             continue
-        pid = entry[len(prefix):].split("-", 1)[0]
-        # our own pid too: a reused pid of a killed earlier run (one writer per path per process)
-        if pid.isdigit() and (pid == str(os.getpid()) or not _alive(int(pid))):
+        if _stale(entry, prefix):
             stale = os.path.join(parent, entry)
             if os.path.isdir(stale) and not os.path.islink(stale):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -139,8 +152,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
 def atomic_dir(path: str | os.PathLike) -> Iterator[str]:
     """A temporary directory beside `path` to fill; on success it replaces `path` durably.
 
-    An existing `path` is replaced as a whole (moved aside, then removed, after the new one is
-    in place); on any exception the temporary is removed and `path` is left as it was.
+    An existing `path` is replaced as a whole (moved aside under a `.previous-` name, then
+    removed once the new one is in place; a kill between the two renames is repaired by the
+    next writer, which puts it back); on any exception the temporary is removed and `path`
+    is left as it was.
     """
     path = os.fspath(path)
     clean_stale(path)
@@ -158,20 +173,26 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[str]:
             try:
                 os.rmdir(path)  # empty: simply replaced
             except OSError:
-                old = tempfile.mkdtemp(prefix=prefix, dir=parent)
-                os.replace(path, old)  # moved aside (a kill here leaves it as a stale temporary)
+                old = tempfile.mkdtemp(prefix=prefix.replace(_PARTIAL, _PREVIOUS), dir=parent)
+                os.replace(path, old)  # moved aside: a kill now leaves it for clean_stale to restore
         os.replace(tmp, path)
         tmp = None
         fsync_dir(parent)
-    except OSError as e:
-        if old is not None and not os.path.exists(path):
-            os.replace(old, path)  # put the previous version back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # only once the new version is in place
             old = None
-        raise write_error(path, e) from None
+    except BaseException as e:
+        if old is not None and not os.path.lexists(path):
+            try:
+                os.replace(old, path)  # put the previous version back
+            except OSError:
+                pass  # it stays under its .previous- name; the next writer's clean_stale restores it
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
+        raise
     finally:
-        for leftover in (tmp, old):
-            if leftover is not None:
-                shutil.rmtree(leftover, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _remove(path: str) -> None:

@@ -33,11 +33,12 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:  # noqa: F821
                           max_tokens=args.max_tokens, max_stop_strings=args.max_stop_strings,
                           max_stop_length=args.max_stop_length, max_concurrent=args.max_concurrent,
                           stream_stall_s=args.stream_stall_timeout)
+    flags = {"api_key": "--api-key", "stream_stall_s": "--stream-stall-timeout"}
     try:
         limits.check()
     except ValueError as e:
-        flag = "--" + str(e).split(" ")[0].replace("_", "-").replace("stream-stall-s", "stream-stall-timeout")
-        raise Eagle3Error(f"{flag}: {e}") from None
+        name = str(e).split(" ")[0]
+        raise Eagle3Error(f"{flags.get(name, '--' + name.replace('_', '-'))}: {e}") from None
     if args.protect_metrics and key is None:
         raise Eagle3Error(f"--protect-metrics needs an API key (--api-key or {API_KEY_ENV})")
     return limits

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import brief
 from .sampling import speculative_accept, tree_accept
 from .types import Proposal, Verdict
 
@@ -77,6 +78,6 @@ def accept(seqs: list[Any], logits: torch.Tensor, tokens: torch.Tensor,
                                           node_parents)
             v.tokens = [node_toks[j - 1] for j in v.path] + [nxt]
         except Exception as e:  # this row's own handling (its sampler) failed: it alone fails
-            v.error = f"{type(e).__name__}: {e}"
+            v.error = brief(e)
         out.append(v)
     return out

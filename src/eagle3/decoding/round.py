@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..errors import brief
 from ..kernels import prefill_matmuls
 from ..targets.decoder import slots_upto
 from .accept import accept
@@ -276,7 +277,7 @@ def draft_chain(backend: Backend, rows: list[Sequence], root: torch.Tensor, boun
                     q_draft = sampler.probs(logits[g])  # (Vd,)
                     ids[g] = sampler.sample(q_draft)
                 except Exception as e:  # this row's own sampler failed: it alone fails
-                    errors[g] = f"{type(e).__name__}: {e}"
+                    errors[g] = brief(e)
                     continue
                 qs[g].append(q_draft.new_zeros(V).index_add_(0, vocab_ids, q_draft))
         tok = backend.to_target_ids(ids)  # (G,)
@@ -388,5 +389,5 @@ def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdic
         try:
             commit(backend, s, v, feats, b)
         except Exception as e:  # this row's own handling failed: it alone fails
-            v.error = f"{type(e).__name__}: {e}"
+            v.error = brief(e)
     return verdicts

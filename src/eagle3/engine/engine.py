@@ -33,7 +33,7 @@ from ..decoding.round import Sequence, prefill, run_round
 from ..decoding.sampling import Sampler
 from ..decoding.tree import TreeShape, parse_tree
 from ..decoding.types import Plan
-from ..errors import Eagle3Error, notice
+from ..errors import Eagle3Error, brief, notice
 from .kv import PagedBackend, PagePool
 from .request import DONE, Request, RequestState
 
@@ -287,7 +287,7 @@ class Engine:
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
             notice(f"a batched round failed ({type(e).__name__}: {e}); failing its {len(batch)} requests")
             for r in batch:
-                self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
+                self._finish(r, RequestState.FAILED, "error", error=brief(e))
             return True
         if self.costs is not None:
             self.observed.record(len(batch), plan, (time.perf_counter() - t0) * 1e3,
@@ -340,7 +340,7 @@ class Engine:
                 first = self._prefill(r)
             except Exception as e:
                 self._finish(r, RequestState.FAILED, "error",
-                             error=f"prefill failed: {type(e).__name__}: {e}")
+                             error=f"prefill failed: {brief(e)}")
                 continue
             r.first_token_at = r.last_token_at = time.perf_counter()
             if r.seq.done:
@@ -357,7 +357,7 @@ class Engine:
         try:
             r.on_event(r, new, False)
         except Exception as e:  # the request's own consumer failed: it alone fails
-            self._finish(r, RequestState.FAILED, "error", error=f"{type(e).__name__}: {e}")
+            self._finish(r, RequestState.FAILED, "error", error=brief(e))
 
     @staticmethod
     def _reason(r: Request) -> str:

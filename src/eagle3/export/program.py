@@ -188,8 +188,9 @@ def check_out_dir(out_dir: str) -> None:
 
 
 def _weight_bytes(spec: Any) -> int:
-    return sum(t.numel() * t.element_size() for m in (spec.target, spec.draft) if isinstance(m, nn.Module)
-               for t in (*m.parameters(), *m.buffers()))
+    from ..kernels import weight_bytes
+
+    return weight_bytes(*(m for m in (spec.target, spec.draft) if isinstance(m, nn.Module)))
 
 
 def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,

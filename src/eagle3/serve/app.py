@@ -294,13 +294,22 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 when it is over `limit` bytes (by Content-Length or by its actual size)."""
+async def _read_body(request: Request, limit: int, stall_s: float) -> bytes:
+    """The body, or a 413 when it is over `limit` bytes (by Content-Length or by its actual size),
+    or a 408 when the client sends nothing for `stall_s` seconds (it would hold an in-flight slot)."""
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
     chunks, size = [], 0
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), stall_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body stalled: nothing arrived for {stall_s:g} s "
+                               "(--stream-stall-timeout)", code="body_timeout") from None
             size += len(chunk)
             too_big = too_big or size > limit
             if not too_big:
@@ -390,9 +399,12 @@ def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = Non
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def body(request: Request):
+        return _read_body(request, max_body_bytes, limits.stream_stall_s)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        p = parse_completion(parse_json(await _read_body(request, max_body_bytes)), model_name, limits)
+        p = parse_completion(parse_json(await body(request)), model_name, limits)
         ids = p.prompt_ids
         if p.prompt_text is not None:
             tok = engine.spec.tokenizer
@@ -407,7 +419,7 @@ def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        p = parse_chat(parse_json(await _read_body(request, max_body_bytes)), model_name, limits)
+        p = parse_chat(parse_json(await body(request)), model_name, limits)
         tok = engine.spec.tokenizer
         if tok is None:
             raise APIError(400, "this model ships no tokenizer, so chat messages cannot be encoded; use "

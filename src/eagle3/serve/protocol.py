@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+               429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 MAX_STOP_STRINGS = 4
@@ -49,9 +50,11 @@ class ServerLimits:
         s = self.stream_stall_s
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0 or not math.isfinite(s):
             raise ValueError(f"stream_stall_s must be a positive number of seconds, got {s!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
-                                         or not self.api_key.isprintable()):
-            raise ValueError("the API key must be a non-empty printable string")
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                                or not key.isascii() or not key.isprintable() or " " in key):
+            # headers arrive as bytes and the token is stripped: any other key could never match
+            raise ValueError("api_key must be visible ASCII characters without spaces")
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                  "stream_options", "user", "logprobs", "presence_penalty", "frequency_penalty"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
@@ -277,7 +280,8 @@ def _message(m: Any, i: int) -> dict[str, str]:
         raise APIError(400, f"{where}.content must be a string or a list of text parts", param="messages")
     extra = set(m) - {"role", "content", "name"}
     if extra:
-        raise _unsupported("messages", f"{where}: the field(s) {', '.join(sorted(extra))}")
+        names = ", ".join(quote(k) for k in sorted(extra)[:5])
+        raise _unsupported("messages", f"{where}: the field(s) {names}")
     out = {"role": m["role"], "content": content}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]

@@ -211,8 +211,10 @@ def head_bytes(tc, draft_vocab: int) -> int:
 
 def output_bytes(tc, draft_vocab: int) -> int:
     """Room the outputs need at their largest: the checkpoint (weights + two Adam moments) and its
-    temporary copy while the previous one stays, two head formats and their temporaries, slack."""
-    return 10 * head_bytes(tc, draft_vocab) + (1 << 20)
+    temporary copy while the previous one stays, two head formats and their temporaries, slack;
+    plus the frozen embedding table the checkpoint also holds (twice: it and its temporary)."""
+    embedding = 4 * tc.vocab_size * tc.hidden_size
+    return 10 * head_bytes(tc, draft_vocab) + 2 * embedding + (1 << 20)
 
 
 @torch.no_grad()
