@@ -356,7 +356,7 @@ def test_cli_memory_report(dirs, tmp_path):
                  "--num-draft-tokens", "2", "--tree", "none", "--repeats", "1", "--peers", "none",
                  "--memory", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    row = report["memory"]["eagle3 default"]
+    row = report["memory"]["eagle3 float32"]  # "auto" on a safetensors checkpoint
     cfg = json.loads((Path(target) / "config.json").read_text())
     hcfg = json.loads((Path(head) / "config.json").read_text())["transformer_layer_config"]
 

@@ -9,6 +9,7 @@ rows bitwise, and speculative output == plain output in every format.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -297,3 +298,81 @@ def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
     want = plain.generate(prompt, 30).token_ids
     assert s.generate(prompt, 30, num_draft_tokens=4).token_ids == want
     assert s.generate(prompt, 30, tree=True).token_ids == want
+
+
+@needs_kernel
+def test_auto_format_is_the_files_own_for_quantized_gguf(tmp_path, llama_dir):
+    """quantize='auto' (the CLI's default): a GGUF stored quantized runs its own codes, a float
+    GGUF and a safetensors checkpoint run float32; `eagle3 generate` with no --quantize gives
+    the output of quantize='gguf' (each layer's codes equal to gguf's dequantizer checked above)."""
+    import gguf
+
+    from gguf_files import write_gguf
+
+    hf = make_hf_model("llama", seed=8)
+    q8, f32 = str(tmp_path / "q8.gguf"), str(tmp_path / "f32.gguf")
+    write_gguf(hf, q8, qtype=gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(hf, f32, qtype=gguf.GGMLQuantizationType.F32)
+    assert eagle3.load(q8, "none", quantize="auto").target.weight_format == "gguf"
+    assert eagle3.load(f32, "none", quantize="auto").target.weight_format == "float32"
+    assert eagle3.load(llama_dir, "none", quantize="auto").target.weight_format == "float32"
+    assert eagle3.load(q8, "none").target.weight_format == "float32"  # the API's default: fp32
+    assert eagle3.load(q8, "none", quantize="auto", dtype="bfloat16").target.weight_format is None
+    want = eagle3.load(q8, "none", quantize="gguf").generate([3, 14, 15, 92], 12, stop_token_ids=[]).token_ids
+    p = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--target", q8, "--draft", "none",
+                        "--prompt-ids", "3,14,15,92", "--max-new-tokens", "12", "--stop-ids", "", "--json"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["token_ids"] == want
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_codes_only_load_equals_the_dequantizing_load(qtype, tmp_path):
+    """quantize='gguf' loads the file's block-coded layers without dequantizing them (memory-free
+    placeholders until the codes are packed): every packed buffer equals the one built after a
+    full float32 load, and the output is the same."""
+    import gguf
+
+    from eagle3.kernels import prepare_target
+    from eagle3.targets import load_gguf
+    from eagle3.targets.decoder import is_placeholder
+    from eagle3.targets.gguf import gguf_layers
+    from gguf_files import write_gguf
+
+    hf = make_hf_model("llama", seed=8)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf, path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    lazy = load_gguf(path, codes_only=True)
+    stubs = [n for n, p in lazy.named_parameters() if is_placeholder(p)]
+    assert any("qkv_proj" in n for n in stubs) and any("down_proj" in n for n in stubs)
+    assert "model.embed_tokens.weight" not in stubs  # the lookup reads the real table
+    full = load_gguf(path)
+    for t in (lazy, full):
+        prepare_target(t, "gguf", None, gguf_layers(t))
+    a, b = lazy.state_dict(), full.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert not [n for n, p in lazy.named_parameters() if is_placeholder(p)]
+    from eagle3.speculator import Eagle3Speculator
+
+    prompt = [3, 14, 15, 92, 65]
+    assert (Eagle3Speculator(lazy).generate(prompt, 16).token_ids
+            == Eagle3Speculator(full).generate(prompt, 16).token_ids)
+
+
+def test_codes_only_names_takes_whole_layers_in_one_block_type():
+    from eagle3.targets.gguf import codes_only_names
+
+    L = "model.layers.0."
+    named = [(L + "self_attn.q_proj.weight", "Q4_1", (64, 64)),
+             (L + "self_attn.k_proj.weight", "Q4_1", (32, 64)),
+             (L + "self_attn.v_proj.weight", "Q8_0", (32, 64)),  # mixed types: q/k/v dequantized
+             (L + "self_attn.o_proj.weight", "Q4_0", (64, 64)),
+             (L + "mlp.gate_proj.weight", "Q8_0", (128, 64)), (L + "mlp.up_proj.weight", "Q8_0", (128, 64)),
+             (L + "mlp.down_proj.weight", "Q6_K", (64, 128)),  # not a block type kept as codes
+             ("model.layers.1.mlp.down_proj.weight", "Q8_0", (24, 128)),  # 24 rows: no 16-row tiles
+             ("model.embed_tokens.weight", "Q8_0", (160, 64)), ("lm_head.weight", "Q8_0", (160, 64))]
+    assert codes_only_names(named) == {L + "self_attn.o_proj.weight", L + "mlp.gate_proj.weight",
+                                       L + "mlp.up_proj.weight", "lm_head.weight"}

@@ -7,11 +7,11 @@ import os
 import torch
 
 from .errors import Eagle3Error
-from .kernels import parse_quantize, prepare_target
+from .kernels import auto_format, kernel_available, parse_quantize, prepare_target
 from .speculator import Eagle3Speculator
 from .targets import load_target, resolve_dtype
 from .targets.decoder import NativeTarget
-from .targets.gguf import gguf_layers
+from .targets.gguf import check_built, gguf_layers
 from .tokenizer import load_tokenizer
 
 
@@ -33,8 +33,10 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     'cuda:1', ...); every tensor the decoding round builds lives there too.
     quantize: the native target's weight format (`kernels.prepare_target`): None = float32
     through the row-invariant kernels (speculative output bit-identical to plain decoding);
-    'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'none' =
-    stock PyTorch layers. The head takes the same format when quantized.
+    'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'gguf' (a
+    .gguf target's codes as stored); 'auto' (the command line's default: 'gguf' for a GGUF
+    file stored quantized, else None; `kernels.auto_format`); 'none' = stock PyTorch
+    layers. The head takes the same format when quantized.
     """
     from .default import default_head_dir
     from .draft import attach_head, load_head
@@ -44,7 +46,7 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     dev = resolve_device(device)
     parse_quantize(quantize)  # a bad name fails before any loading
     if backend == "executorch" or program is not None:
-        if quantize not in (None, "none"):
+        if quantize not in (None, "none", "auto"):
             raise Eagle3Error("an exported program's weight format is chosen at export "
                               "(eagle3 export --quantize); drop quantize")
         if dev.type != "cpu":
@@ -65,7 +67,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if not os.path.isfile(os.path.join(draft, "config.json")):
             raise Eagle3Error(f"draft head {draft} has no config.json: pass an EAGLE-3 head "
                               "directory (official, SGLang or speculators format) or 'none'")
-    tgt = load_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len)
+    # The GGUF's own codes will be used: never build its quantized layers in float32.
+    codes_only = dev.type == "cpu" and (quantize == "gguf" or (
+        quantize == "auto" and resolve_dtype(dtype) == torch.float32 and kernel_available()))
+    tgt = load_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
+                      gguf_codes_only=codes_only)
     if draft not in (None, "none"):
         _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
         attach_head(head, tgt, where=f"head {draft}", taps=taps)
@@ -74,12 +80,31 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if head is not None:
             head.to(dev)
     if isinstance(tgt, NativeTarget):
+        if quantize == "auto":
+            quantize = auto_format(tgt)
         prepare_target(tgt, quantize, head, gguf_layers(tgt))
-    elif quantize not in (None, "none"):
+        if codes_only:
+            check_built(tgt)
+        return_freed_memory()
+    elif quantize not in (None, "none", "auto"):
         raise Eagle3Error("quantize needs the native backend (this target runs through "
                           "transformers); use backend='native' or 'auto'")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return spec.compile() if compile else spec
+
+
+def return_freed_memory() -> None:
+    """Hand the heap pages freed while loading (dequantized and unfused copies) back to the OS.
+
+    glibc keeps large freed blocks for reuse, so without this a loaded GGUF target stays
+    ~500 MB above what it holds; elsewhere this does nothing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -49,8 +49,8 @@ def tensor_bytes(obj, depth=0):
         vars(obj).values() if hasattr(obj, "__dict__") else ()
     return sum(tensor_bytes(x, depth + 1) for x in items)
 
-models = [m for m in (spec.target, spec.draft) if isinstance(m, torch.nn.Module)]
-weights = sum(t.numel() * t.element_size() for m in models for t in m.state_dict(keep_vars=True).values())
+from eagle3.kernels import weight_bytes
+weights = weight_bytes(*(m for m in (spec.target, spec.draft) if isinstance(m, torch.nn.Module)))
 backend = spec.backend
 kv = tensor_bytes(backend.target_cache) + tensor_bytes(getattr(backend, "draft_cache", None))
 print(json.dumps({"load_s": load_s, "peak_rss_mb": peak_mb(), "import_rss_mb": base_mb,
@@ -102,11 +102,12 @@ def llamacpp_memory(tool: str, gguf: str, prompt: str, max_new_tokens: int, thre
     rss = re.search(r"MAXRSS_KB (\d+)", log)
     load = re.search(r"load time =\s+([\d.]+) ms", log)
     kv = re.findall(r"llama_kv_cache: size =\s+([\d.]+) MiB", log)
-    if rss is None or load is None:
-        raise Eagle3Error("llama.cpp's log has no load time / the timer no peak RSS; rebuild llama.cpp")
+    if rss is None or load is None or not kv:
+        raise Eagle3Error("llama.cpp's log has no load time or KV cache size, or the timer no peak RSS; "
+                          "rebuild llama.cpp (scripts/build_llama_cpp.sh)")
     return _ratios({"load_s": float(load.group(1)) / 1e3, "peak_rss_mb": int(rss.group(1)) / 1024,
                     "weights_mb": os.path.getsize(gguf) / 2**20,
-                    "kv_cache_mb": float(kv[-1]) if kv else 0.0, "max_seq_len": ctx})
+                    "kv_cache_mb": float(kv[-1]), "max_seq_len": ctx})
 
 
 def markdown_memory(rows: dict[str, dict[str, Any]]) -> str:

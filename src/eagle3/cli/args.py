@@ -26,10 +26,11 @@ def num_draft_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got '{text}'") from None
 
 
-QUANTIZE_HELP = ("weight format of the native target's linear layers (and the head's): fp32 "
-                 "(default), bf16, int8 (per channel), int4 (groups of 32; int4-g64, int8-g32 set "
-                 "the group), gguf (a .gguf target's Q8_0/Q4_0/Q4_1 codes as stored, other types "
-                 "to the nearest format), or none (stock PyTorch layers). Every format but none runs "
+QUANTIZE_HELP = ("weight format of the native target's linear layers (and the head's): auto "
+                 "(default: gguf for a .gguf file stored quantized, else fp32), fp32, bf16, int8 (per "
+                 "channel), int4 (groups of 32; int4-g64, int8-g32 set the group), gguf (a .gguf "
+                 "target's Q8_0/Q4_0/Q4_1 codes as stored, other types to the nearest format), or "
+                 "none (stock PyTorch layers). Every format but none runs "
                  "row-invariant kernels: speculative output is bit-identical to plain decoding "
                  "in the same format. Activations stay float32 (bf16 inside the packed matmuls)")
 
@@ -67,7 +68,7 @@ def add_target_args(p: argparse.ArgumentParser, backends: bool = False, engine: 
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache size in tokens (default: min(max_position_embeddings, 4096))")
     if quantize:
-        p.add_argument("--quantize", default=None, metavar="FORMAT",
+        p.add_argument("--quantize", default="auto", metavar="FORMAT",
                        help=QUANTIZE_HELP + (". bench: a comma-separated list (e.g. fp32,int4,gguf), "
                                              "each format its own rows in the same run"
                                              if backends else ""))

@@ -375,9 +375,10 @@ def memory_rows(args: argparse.Namespace, spec, formats: list, prompt_ids: list[
     text = spec.tokenizer.decode(prompt_ids, skip_special_tokens=False) if spec.tokenizer else ""
     draft = None if args.draft in (None, "default") else args.draft
     rows = {}
-    for fmt in formats:
-        rows[f"eagle3 {fmt or 'default'}"] = memory.eagle3_memory(
-            args.target, draft, fmt, text, args.max_new_tokens, threads, max_seq_len=spec.max_seq_len)
+    for fmt in formats:  # named by the format the load resolved ("auto" -> gguf or float32)
+        row = memory.eagle3_memory(args.target, draft, fmt, text, args.max_new_tokens, threads,
+                                   max_seq_len=spec.max_seq_len)
+        rows[f"eagle3 {row['weight_format'] or 'stock'}"] = row
     gguf = target_path(args.target)[1]
     if with_llama_cpp and gguf is not None and lc.missing() is None:
         rows["llama.cpp"] = memory.llamacpp_memory(str(binary("llama-completion")), gguf, text,

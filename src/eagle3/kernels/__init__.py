@@ -269,15 +269,15 @@ def _attention_fake(q, k, v, mask, scale, softcap):
 def parse_quantize(spec: str | None) -> tuple[str, int | None] | None:
     """'int8' | 'int4' | 'bf16' | 'float32', optionally '-gN' (group size) -> (format, group);
     'gguf' -> ('gguf', 32): each layer in the format nearest its GGUF type."""
-    if spec in (None, "", "none"):
+    if spec in (None, "", "none", "auto"):  # "auto" is resolved by `auto_format` at load
         return None
     if spec == "gguf":
         return "gguf", 32
     name, _, g = str(spec).partition("-g")
     fmt = {"bf16": "bfloat16", "fp32": "float32"}.get(name, name)
     if fmt not in FORMATS or (g and (fmt not in QUANTIZE_CHOICES or not g.isdigit())):
-        raise Eagle3Error(f"quantize must be one of none, fp32, bf16, int8, int4, gguf (int8/int4 may add a "
-                          f"group size, e.g. int4-g64), got {spec!r}")
+        raise Eagle3Error(f"quantize must be one of auto, none, fp32, bf16, int8, int4, gguf (int8/int4 "
+                          f"may add a group size, e.g. int4-g64), got {spec!r}")
     group = int(g) if g else (DEFAULT_INT4_GROUP if fmt == "int4" else None)
     if group is not None and (group < 32 or group % 32):
         raise Eagle3Error(f"quantize {spec!r}: the group size must be a multiple of 32")
@@ -329,6 +329,30 @@ def row_invariant_attention(q: torch.Tensor) -> bool:
     outside a prompt's forward (`prefill_matmuls`)."""
     return (q.dtype == torch.float32 and q.device.type == "cpu" and kernel_available()
             and not in_prefill())
+
+
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the distinct tensors (parameters and buffers) the modules hold: a storage shared
+    by several (a tied LM head, the head borrowing the target's embedding table) counts once."""
+    seen: dict[int, int] = {}
+    for m in modules:
+        if m is None:
+            continue
+        for t in (*m.parameters(), *m.buffers()):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def auto_format(target: nn.Module) -> str | None:
+    """quantize='auto': a GGUF file's own format ('gguf') when its linear weights are stored
+    quantized and the kernels run here (a user loading a Q4 file expects Q4 speed, as
+    llama.cpp gives); otherwise None (float32, the form the transformers oracle checks)."""
+    types = getattr(target, "gguf_types", None) or {}
+    quantized = any(not str(t).startswith(("F32", "F16", "BF16")) for t in types.values())
+    emb = target.embedding_weight
+    fp32_cpu = emb.dtype == torch.float32 and emb.device.type == "cpu"
+    return "gguf" if quantized and fp32_cpu and kernel_available() else None
 
 
 def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | None = None,

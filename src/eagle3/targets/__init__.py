@@ -72,12 +72,14 @@ def load_native(path: str, *, dtype: torch.dtype | str | None = None,
 
 
 def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
-              max_seq_len: int | None = None, taps=None) -> NativeTarget:
+              max_seq_len: int | None = None, taps=None, codes_only: bool = False) -> NativeTarget:
     """Load a GGUF file (llama.cpp's format; weights dequantized) into a `NativeTarget`.
 
     The target keeps `gguf_blocks` ({tensor name: `gguf.block_codes`} for Q8_0/Q4_0/Q4_1
     tensors) and `gguf_types` ({tensor name: GGUF type}), which `quantize='gguf'` turns into
     weight formats holding the file's codes as they are; both are dropped otherwise.
+    `codes_only`: the caller will run `quantize='gguf'`, so layers stored in those types are
+    not dequantized at all (`gguf.state_dict`): the load peaks near the codes' size.
     """
     from .gguf import read_gguf, state_dict
 
@@ -85,7 +87,7 @@ def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
     cfg = parse_decoder_config(ckpt.config, where=path, max_seq_len=max_seq_len)
     blocks: dict = {}
     types: dict = {}
-    state, unused = state_dict(ckpt, blocks, types)
+    state, unused = state_dict(ckpt, blocks, types, codes_only=codes_only)
     if unused:
         notice(f"{path}: ignoring {len(unused)} GGUF tensor(s) with no native counterpart "
                f"(e.g. {unused[0]})")
@@ -126,6 +128,7 @@ def _build_native(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str
                f"(e.g. {extra[0]})")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    state.clear()  # the model holds the tensors now: fusing then frees each layer's parts as it goes
     model.build_buffers()
     model.fuse_projections()
     if taps is not None:
@@ -201,11 +204,12 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend: str = "auto",
-                max_seq_len: int | None = None, taps=None) -> TapTarget:
+                max_seq_len: int | None = None, taps=None, gguf_codes_only: bool = False) -> TapTarget:
     """Load `target` (a checkpoint dir, a .gguf file, a registered model name or 'default').
 
     backend: 'auto' (native when the architecture is supported, else the
-    transformers adapter), 'native', or 'hf'.
+    transformers adapter), 'native', or 'hf'. gguf_codes_only: for a GGUF file, see
+    `load_gguf(codes_only=)` (the caller then must prepare it with quantize='gguf').
     """
     if backend not in BACKENDS:
         raise Eagle3Error(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
@@ -213,14 +217,14 @@ def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend:
         raise Eagle3Error(f"max_seq_len must be >= 2, got {max_seq_len}")
     kw = dict(dtype=dtype, max_seq_len=max_seq_len, taps=taps)
     if target == "default":
-        return _load_default(backend=backend, **kw)
+        return _load_default(backend=backend, gguf_codes_only=gguf_codes_only, **kw)
     target = resolve_target(target)
     gguf_file = find_gguf(target)
     if gguf_file is not None:
         if backend == "hf":
             raise Eagle3Error(f"{gguf_file} is a GGUF file, which loads natively only; drop "
                               "backend='hf' (--backend hf)")
-        return load_gguf(gguf_file, **kw)
+        return load_gguf(gguf_file, codes_only=gguf_codes_only, **kw)
     if target in TARGETS and not os.path.isdir(target):
         raise Eagle3Error(f"'{target}' is a target family, not a checkpoint: pass the checkpoint "
                           "directory (the family is read from its config.json)")

@@ -169,10 +169,28 @@ def weight_sources(module_path: str, tied: bool) -> list[str]:
     return [f"{module_path}.weight"]
 
 
+def placeholder(n: int, k: int) -> torch.Tensor:
+    """A (n, k) float32 weight that takes no memory (every element is one zero): it stands for a
+    layer whose real weights arrive later as a GGUF file's codes (`targets.gguf`)."""
+    return torch.zeros((), dtype=torch.float32).expand(n, k)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
+
+
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenation of `parts`' outputs."""
-    w = torch.cat([p.weight for p in parts])
     bias = parts[0].bias is not None
+    if all(is_placeholder(p.weight) for p in parts):  # codes to come: stay free of memory
+        n, k = sum(p.weight.shape[0] for p in parts), parts[0].weight.shape[1]
+        with torch.device("meta"):
+            fused = nn.Linear(k, n, bias=False)
+        fused.weight = nn.Parameter(placeholder(n, k), requires_grad=False)
+        if bias:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        return fused
+    w = torch.cat([p.weight for p in parts])
     fused = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         fused.weight.copy_(w)

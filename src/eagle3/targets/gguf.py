@@ -244,19 +244,72 @@ def block_codes(tensor) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor |
     return "int4", codes, d, -8 * d
 
 
-def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | None = None
-               ) -> tuple[dict[str, torch.Tensor], list[str]]:
+def codes_only_names(named: list[tuple[str, str, tuple[int, int]]]) -> set[str]:
+    """The linear weights `quantize='gguf'` will build from their codes alone, given
+    (HF name, GGUF type, (N, K)): every part of a (fused) layer stored in one block type whose
+    shape the packed layout holds. The embedding table is never one (the lookup reads it)."""
+    from ..kernels import check_shape
+    from .decoder import FUSED_PARTS
+
+    part_of = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
+    groups: dict[str, list[tuple[str, str, tuple[int, int]]]] = {}
+    for name, kind, shape in named:
+        base, _, leaf = name.removesuffix(".weight").rpartition(".")
+        linear = name.startswith("model.layers.") and leaf.endswith("_proj")
+        if not (linear or name == "lm_head.weight"):  # an untied LM head (a tied one reads the table)
+            continue
+        groups.setdefault(f"{base}.{part_of.get(leaf, leaf)}", []).append((name, kind, shape))
+    keep = set()
+    for members in groups.values():
+        kinds = {kind for _, kind, _ in members}
+        if len(kinds) != 1 or next(iter(kinds)) not in BLOCK_FORMATS:
+            continue
+        try:
+            for _, kind, (n, k) in members:
+                check_shape(n, k, BLOCK_FORMATS[kind], 32)
+        except Eagle3Error:
+            continue
+        keep.update(name for name, _, _ in members)
+    return keep
+
+
+def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | None = None,
+               codes_only: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
     """HF-named float32 tensors, and the GGUF tensors that map to nothing. `blocks`, when
     given, also receives {HF name: `block_codes(...)`} for the tensors stored as Q8_0/Q4_0/Q4_1,
-    and `types` {HF name: GGUF type name} for all."""
+    and `types` {HF name: GGUF type name} for all. `codes_only` (with `blocks`): the layers
+    `codes_only_names` picks get a memory-free `decoder.placeholder` instead of their
+    dequantized weights (`quantize='gguf'` builds them from the codes; loading then never
+    holds the model in float32)."""
+    from .decoder import placeholder
+
     gemma = ckpt.config["model_type"] in ("gemma2", "gemma3_text")
     n_head, n_kv = ckpt.config["num_attention_heads"], ckpt.config["num_key_value_heads"]
     state, unused = {}, []
-    for t in ckpt.reader.tensors:
-        name = _hf_name(t.name, gemma)
+    named = [(t, _hf_name(t.name, gemma)) for t in ckpt.reader.tensors]
+    stub = set()
+    if codes_only and blocks is not None:
+        shapes = [(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
+                  for t, name in named if name is not None and len(t.shape) == 2]
+        stub = codes_only_names(shapes)
+    for t, name in named:
         if name is None:
             unused.append(t.name)
             continue
+        if name in stub:
+            permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
+            heads = n_head if "q_proj" in name else n_kv
+            fmt, *parts = block_codes(t)
+            if permute and parts[0].shape[0] % (2 * heads) == 0:
+                parts = [p if p is None else _unpermute(p, heads) for p in parts]
+            elif permute:  # a shape that does not split into heads: the full path says so
+                stub.discard(name)
+            if name in stub:
+                if types is not None:
+                    types[name] = t.tensor_type.name
+                blocks[name] = (fmt, *parts)
+                state[name] = placeholder(*parts[0].shape)
+                continue
         w = _dequantize(t, ckpt.path)
         if types is not None:
             types[name] = t.tensor_type.name
@@ -346,6 +399,15 @@ def gguf_tokenizer_dir(path: str) -> str | None:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def check_built(target) -> None:
+    """After `quantize='gguf'`: no layer may still hold a `codes_only` placeholder."""
+    from .decoder import is_placeholder
+
+    left = [n for n, p in target.named_parameters() if is_placeholder(p)]
+    if left:
+        raise RuntimeError(f"internal error: {len(left)} layer(s) kept no weights (e.g. {left[0]})")
 
 
 def gguf_layers(target) -> Callable | None:
