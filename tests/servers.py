@@ -9,6 +9,7 @@ import threading
 import time
 
 import openai
+import pytest
 import requests
 import uvicorn
 
@@ -29,6 +30,17 @@ def with_chat_template(spec, folder) -> None:
         f.write(TEMPLATE)
     spec.tokenizer = Tokenizer(os.path.join(folder, "tokenizer.json"))
     spec.plain_tokenizer = plain
+
+
+@pytest.fixture(scope="module", name="spec")
+def templated_spec(tmp_path_factory):
+    """The fixture `spec` of the server tests: the default model (the toy in the tests), its
+    tokenizer given a chat template. A test module takes it with `from servers import spec`."""
+    import eagle3
+
+    s = eagle3.load("default")
+    with_chat_template(s, tmp_path_factory.mktemp("tok"))
+    return s
 
 
 class Server:

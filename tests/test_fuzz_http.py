@@ -27,10 +27,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import eagle3  # noqa: E402
 from eagle3.engine import Engine, EngineConfig  # noqa: E402
 from eagle3.serve.protocol import ServerLimits  # noqa: E402
-from servers import NAME, Server, kv_idle, wait_until, with_chat_template  # noqa: E402
+from servers import NAME, Server, kv_idle, templated_spec, wait_until  # noqa: E402
+
+spec = templated_spec  # the `spec` fixture: the toy default with a chat template
 
 KEY = "fuzz-key"
 MAX_TOKENS = 24
@@ -40,13 +41,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
 ALLOWED = {200, 400, 401, 404, 413, 429}
 STATS = {"http_cases": 0, "raw_cases": 0, "generated": 0}
 CHECK_PROMPTS = ["def parse_args(argv):", "import os\n"]
-
-
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    s = eagle3.load("default")
-    with_chat_template(s, tmp_path_factory.mktemp("tok"))
-    return s
 
 
 @pytest.fixture(scope="module")

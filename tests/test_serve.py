@@ -35,7 +35,9 @@ from eagle3.engine import Engine, EngineConfig  # noqa: E402
 from eagle3.serve.app import Generation, TextStream  # noqa: E402
 from eagle3.serve.metrics import ServerMetrics  # noqa: E402
 from eagle3.serve.protocol import APIError, GenerateParams  # noqa: E402
-from servers import Server, answers, kv_idle, wait_until, with_chat_template  # noqa: E402
+from servers import Server, answers, kv_idle, templated_spec, wait_until  # noqa: E402
+
+spec = templated_spec  # the `spec` fixture: the toy default with a chat template
 
 NAME = "eagle3-default"
 N = 32  # max_tokens of the greedy checks
@@ -45,14 +47,6 @@ EOS_PROMPT = "if __name__ == '__main__':\n    run()\n"  # the default model answ
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "def parse_args(argv):"}]
 LONG = {"prompt": "import os\n", "max_tokens": 900, "temperature": 0}  # seconds of decoding
-
-
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    """The default model, its tokenizer given a chat template (a copy of the files + the template)."""
-    s = eagle3.load("default")
-    with_chat_template(s, tmp_path_factory.mktemp("tok"))
-    return s
 
 
 @pytest.fixture(scope="module")

@@ -25,20 +25,14 @@ requests = pytest.importorskip("requests")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-import eagle3  # noqa: E402
 from eagle3.engine import Engine, EngineConfig  # noqa: E402
 from eagle3.serve.protocol import ServerLimits  # noqa: E402
-from servers import NAME, Server, answers, kv_idle, wait_until, with_chat_template  # noqa: E402
+from servers import NAME, Server, answers, kv_idle, templated_spec, wait_until  # noqa: E402
+
+spec = templated_spec  # the `spec` fixture: the toy default with a chat template
 
 KEY = "s3cret-key"
 PROMPT = "def parse_args(argv):"
-
-
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    s = eagle3.load("default")
-    with_chat_template(s, tmp_path_factory.mktemp("tok"))
-    return s
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import Eagle3Error, notice
+from ..errors import Eagle3Error, notice, wrong_values_as
 from ..targets.checkpoint import read_state_dict
 from ..targets.config import MAX_SIZE, RopeConfig, _rope_from_dict, read_config_json
 from .model import DraftConfig, Eagle3Draft
@@ -95,14 +95,8 @@ def _taps(taps, where: str) -> tuple[int, ...] | None:
 
 def parse_head_config(cfg: dict, where: str = "config.json") -> tuple[str, DraftConfig]:
     """(format, DraftConfig) from a head's config.json dict."""
-    try:
+    with wrong_values_as(f"{where}: malformed head config", "fix it or re-download the head"):
         return _parse_head_config(cfg, where)
-    except Eagle3Error:
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:  # a wrong value
-        reason = (str(e).splitlines() or [""])[0][:120]
-        raise Eagle3Error(f"{where}: malformed head config ({type(e).__name__}: {reason}); fix it or "
-                          "re-download the head") from None
 
 
 def _parse_head_config(cfg: dict, where: str) -> tuple[str, DraftConfig]:

@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, wrong_values_as
 
 # model_type -> family. The family decides the block layout and norms.
 NATIVE_FAMILIES = {
@@ -181,14 +181,8 @@ def _layer_types(cfg: dict, model_type: str, n_layers: int, where: str) -> list[
 def parse_decoder_config(cfg: dict, where: str = "config.json",
                          max_seq_len: int | None = None) -> DecoderConfig:
     """Map a HF config dict to `DecoderConfig`, or raise `Eagle3Error`."""
-    try:
+    with wrong_values_as(f"{where}: malformed config.json", "fix or re-save the checkpoint's config"):
         return _parse_decoder_config(cfg, where, max_seq_len)
-    except Eagle3Error:
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as e:  # a wrong value
-        reason = (str(e).splitlines() or [""])[0][:120]
-        raise Eagle3Error(f"{where}: malformed config.json ({type(e).__name__}: {reason}); fix or "
-                          "re-save the checkpoint's config") from None
 
 
 def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> DecoderConfig:
