@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .backend import Backend, causal_layout
+from .backend import Backend
+from .layout import causal_layout
 from .round import Sequence
 from .tree import TreeShape
 from .types import Plan

@@ -37,7 +37,8 @@ from ..errors import brief
 from ..kernels import prefill_matmuls
 from ..targets.decoder import slots_upto
 from .accept import accept
-from .backend import Backend, Layout, causal_layout
+from .backend import Backend
+from .layout import Layout, causal_layout
 from .profile import active
 from .sampling import Sampler
 from .tree import TreeShape, chain_proposal, expand_tree

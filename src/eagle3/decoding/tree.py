@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import Eagle3Error
-from .backend import Layout
+from .layout import Layout
 
 MAX_TREE_NODES = 256
 MAX_TREE_DRAFT_SLOTS = 256  # top_k * (depth - 1): the draft cache's room past max_seq_len

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..decoding.backend import Layout, region_mask
+from ..decoding.backend import region_mask
+from ..decoding.layout import Layout
 from ..errors import Eagle3Error
 from ..kv import masked_attention
 from ..targets.decoder import slots_upto

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..decoding.backend import Layout
+from ..decoding.layout import Layout
 from ..errors import Eagle3Error, notice
 from ..kv import SlotBook
 from ..speculator import Eagle3Speculator, GenerationResult
