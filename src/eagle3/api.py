@@ -7,11 +7,11 @@ import os
 import torch
 
 from .errors import Eagle3Error
-from .kernels import auto_format, kernel_available, parse_quantize, prepare_target
+from .kernels import kernel_available, parse_quantize, prepare_target
 from .speculator import Eagle3Speculator
 from .targets import load_target, resolve_dtype
 from .targets.decoder import NativeTarget
-from .targets.gguf import check_built, gguf_layers
+from .targets.gguf import check_built, gguf_layers, stored_quantized
 from .tokenizer import load_tokenizer
 
 
@@ -35,8 +35,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     through the row-invariant kernels (speculative output bit-identical to plain decoding);
     'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'gguf' (a
     .gguf target's codes as stored); 'auto' (the command line's default: 'gguf' for a GGUF
-    file stored quantized, else None; `kernels.auto_format`); 'none' = stock PyTorch
-    layers. The head takes the same format when quantized.
+    file stored quantized when the kernels run here on a float32 CPU target, else None);
+    'none' = stock PyTorch layers. The head takes the same format when quantized.
     """
     from .default import default_head_dir
     from .draft import attach_head, load_head
@@ -67,7 +67,9 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if not os.path.isfile(os.path.join(draft, "config.json")):
             raise Eagle3Error(f"draft head {draft} has no config.json: pass an EAGLE-3 head "
                               "directory (official, SGLang or speculators format) or 'none'")
-    # The GGUF's own codes will be used: never build its quantized layers in float32.
+    # Decided once, before loading: whether a GGUF's own codes will be used ('auto' takes them
+    # where the kernels run on a float32 CPU target); then its quantized layers are never
+    # built in float32.
     codes_only = dev.type == "cpu" and (quantize == "gguf" or (
         quantize == "auto" and resolve_dtype(dtype) == torch.float32 and kernel_available()))
     tgt = load_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
@@ -80,8 +82,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if head is not None:
             head.to(dev)
     if isinstance(tgt, NativeTarget):
-        if quantize == "auto":
-            quantize = auto_format(tgt)
+        if quantize == "auto":  # a float GGUF or a safetensors checkpoint: float32
+            quantize = "gguf" if codes_only and stored_quantized(tgt) else None
         prepare_target(tgt, quantize, head, gguf_layers(tgt))
         if codes_only:
             check_built(tgt)

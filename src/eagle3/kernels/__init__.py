@@ -269,7 +269,7 @@ def _attention_fake(q, k, v, mask, scale, softcap):
 def parse_quantize(spec: str | None) -> tuple[str, int | None] | None:
     """'int8' | 'int4' | 'bf16' | 'float32', optionally '-gN' (group size) -> (format, group);
     'gguf' -> ('gguf', 32): each layer in the format nearest its GGUF type."""
-    if spec in (None, "", "none", "auto"):  # "auto" is resolved by `auto_format` at load
+    if spec in (None, "", "none", "auto"):  # "auto" is resolved by `eagle3.load`
         return None
     if spec == "gguf":
         return "gguf", 32
@@ -342,17 +342,6 @@ def weight_bytes(*modules: nn.Module | None) -> int:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def auto_format(target: nn.Module) -> str | None:
-    """quantize='auto': a GGUF file's own format ('gguf') when its linear weights are stored
-    quantized and the kernels run here (a user loading a Q4 file expects Q4 speed, as
-    llama.cpp gives); otherwise None (float32, the form the transformers oracle checks)."""
-    types = getattr(target, "gguf_types", None) or {}
-    quantized = any(not str(t).startswith(("F32", "F16", "BF16")) for t in types.values())
-    emb = target.embedding_weight
-    fp32_cpu = emb.dtype == torch.float32 and emb.device.type == "cpu"
-    return "gguf" if quantized and fp32_cpu and kernel_available() else None
 
 
 def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | None = None,

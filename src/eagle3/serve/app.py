@@ -350,16 +350,8 @@ def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = Non
     app = FastAPI(title="eagle3", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(engine)
     max_concurrent = limits.max_concurrent or engine.config.max_batch + engine.config.max_queue
-    gate = None
-
-    def make_gate(inner: Any) -> Gate:
-        nonlocal gate
-        gate = Gate(inner, limits, max_concurrent, metrics)
-        return gate
-
-    app.add_middleware(make_gate)
+    app.add_middleware(Gate, limits=limits, max_concurrent=max_concurrent, metrics=metrics)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
-    app.state.in_flight = lambda: gate.in_flight if gate is not None else 0
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -401,6 +401,12 @@ def gguf_tokenizer_dir(path: str) -> str | None:
     return str(out)
 
 
+def stored_quantized(target) -> bool:
+    """Whether a target loaded from a GGUF file holds linear weights stored quantized."""
+    types = getattr(target, "gguf_types", None) or {}
+    return any(not str(t).startswith(("F32", "F16", "BF16")) for t in types.values())
+
+
 def check_built(target) -> None:
     """After `quantize='gguf'`: no layer may still hold a `codes_only` placeholder."""
     from .decoder import is_placeholder
