@@ -445,6 +445,30 @@ def test_offline_features_give_the_online_loss(target_dir, data_file, tmp_path):
     assert offline["log"][0]["acc"] == pytest.approx(online["log"][0]["acc"], abs=0.05)
 
 
+def test_init_from_continues_a_head_with_its_vocabulary(target_dir, data_file, tmp_path):
+    first = args_for(target_dir, data_file, tmp_path / "a", draft_vocab=120, max_steps=3, lr=3e-3)
+    train_draft(first)
+    # Other data (so its own draft vocabulary would differ), offline features, no learning: the
+    # head written is the head started from, its draft vocabulary included.
+    other = write_jsonl(tmp_path / "other.jsonl", [{"prompt_ids": p[::-1]} for p in PROMPTS[:3]])
+    second = args_for(target_dir, other, tmp_path / "b", draft_vocab=120, lr=0.0, warmup=1,
+                      features="offline", init_from=str(tmp_path / "a" / "head"))
+    report = train_draft(second)
+    a, b = (eagle3.load(target_dir, str(tmp_path / name / "head")) for name in "ab")
+    assert torch.equal(a.draft.d2t, b.draft.d2t)
+    for (name, x), (_, y) in zip(a.draft.state_dict().items(), b.draft.state_dict().items()):
+        assert torch.equal(x, y), name
+    fresh = train_draft(args_for(target_dir, other, tmp_path / "c", draft_vocab=120))
+    assert not torch.equal(ckpt_head(tmp_path / "c")["d2t"], a.draft.d2t)
+    # Starting from the trained head, the first loss is lower than a fresh head's on the same data.
+    assert report["log"][0]["loss"] < fresh["log"][0]["loss"]
+    with pytest.raises(Eagle3Error, match="--init-from: draft head .* is not a directory"):
+        train_draft(args_for(target_dir, data_file, tmp_path / "e", init_from=str(tmp_path / "no")))
+    with pytest.raises(Eagle3Error, match="--init-from .*draft_vocab_size is 120"):
+        train_draft(args_for(target_dir, data_file, tmp_path / "d", draft_vocab=100,
+                             init_from=str(tmp_path / "a" / "head")))
+
+
 # -- bad input -----------------------------------------------------------------------------------
 def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path):
     def fails(match: str, target: str = target_dir, data: str = data_file, **kw) -> str:

@@ -24,7 +24,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         temperature=args.temperature, features=args.features,
         taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
         stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        max_prompt_len=args.max_prompt_len, autocast=args.autocast))
+        max_prompt_len=args.max_prompt_len, autocast=args.autocast, init_from=args.init_from))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
         print(f"eagle3: trained {report['steps']} steps; final loss {report['final_loss']:.3f}; "
@@ -77,6 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="regenerate by sampling at this temperature (default 0: greedy)")
     t.add_argument("--features", choices=("online", "offline"), default="online",
                    help="capture target taps per step (online) or once into memory-mapped files")
+    t.add_argument("--init-from", default=None, metavar="HEAD",
+                   help="start from this head's weights and draft vocabulary (a head directory this "
+                        "target's training wrote) with a new schedule, e.g. to train a head further "
+                        "on more data")
     t.add_argument("--taps", type=int_list, default=None, help="target taps (default 2,L//2,L-3)")
     t.add_argument("--max-prompt-len", type=int, default=384,
                    help="--data sharegpt: skip prompts longer than this many tokens (default 384)")

@@ -70,6 +70,7 @@ class TrainArgs:
     dtype: str | None = None  # the target's dtype for regeneration and features (e.g. bfloat16)
     max_seq_len: int | None = None  # the target's context for regeneration (default: its own)
     taps: tuple[int, ...] | None = None
+    init_from: str | None = None  # start from this head's weights and draft vocabulary (new schedule)
     progress: bool = True
 
 
@@ -314,8 +315,12 @@ def train_draft(args: TrainArgs) -> dict:
     if args.taps:
         target.tap_layers = args.taps
     taps = tuple(target.tap_layers)
+    init = read_init(args.init_from, target.config, args.draft_vocab) if args.init_from else None
     samples, ids, d2t, t2d, key = prepare(args, target, rank)
     head = new_head(target, ids, d2t, t2d, taps, args.seed)
+    if init is not None:
+        ids = start_from(head, init, args.init_from)
+        key = hashlib.sha256((key + json.dumps(ids.tolist())).encode()).hexdigest()
     if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
         head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
     attach_head(head, target)
@@ -360,9 +365,7 @@ def train_draft(args: TrainArgs) -> dict:
         if store is None:
             tlogits, ttaps = _target_forward(target, tokens)
         else:
-            ttaps, small = store.get(batch_idx, tokens.shape[1])
-            tlogits = torch.full(ttaps.shape[:2] + (target.config.vocab_size,), -1e4)
-            tlogits[..., ids] = small
+            ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
         # One normaliser for the global batch, so data-parallel ranks add up exactly.
         norm = mask[:, 2:].sum().float()
         if world > 1:
@@ -403,6 +406,44 @@ def train_draft(args: TrainArgs) -> dict:
     if world > 1:
         torch.distributed.barrier()
     return report
+
+
+def read_init(path: str, tc, draft_vocab: int) -> Eagle3Draft:
+    """The head `--init-from` names, read and checked against the target config `tc` and
+    `--draft-vocab` before anything long runs."""
+    from ..draft.formats import load_head
+
+    try:
+        _, old = load_head(path)
+    except Eagle3Error as e:
+        raise Eagle3Error(f"--init-from: {e}") from None
+    o = old.config
+    for name, want in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
+                       ("draft_vocab_size", draft_vocab)):
+        if getattr(o, name) != want:
+            raise Eagle3Error(f"--init-from {path}: its {name} is {getattr(o, name)}, this run's is "
+                              f"{want}; pass a head trained for this target with --draft-vocab "
+                              f"{o.draft_vocab_size}, or drop --init-from")
+    return old
+
+
+def start_from(head: Eagle3Draft, old: Eagle3Draft, path: str) -> torch.Tensor:
+    """Load head `old` (read from `path`) into `head`, weights and draft vocabulary; returns its
+    draft ids. A new run continues its training with a schedule of its own."""
+    c, o = head.config, old.config
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "taps"):
+        if getattr(c, name) != getattr(o, name):
+            raise Eagle3Error(f"--init-from {path}: its {name} is {getattr(o, name)}, this run's is "
+                              f"{getattr(c, name)}; pass a head trained for this target (same "
+                              "taps and layer shape), or drop --init-from")
+    state = {k: v.float() if v.is_floating_point() else v for k, v in old.state_dict().items()
+             if not k.startswith("embed_tokens")}
+    missing = set(head.load_state_dict(state, strict=False).missing_keys) - {"embed_tokens.weight"}
+    if missing:
+        raise Eagle3Error(f"--init-from {path}: lacks {sorted(missing)[0]}; pass an EAGLE-3 head "
+                          "directory written by eagle3")
+    return torch.arange(c.draft_vocab_size) + head.d2t
 
 
 def load_checkpoint(path: Path) -> dict:

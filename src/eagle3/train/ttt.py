@@ -33,7 +33,8 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     """(loss, correct (steps,), counted (steps,)) for one batch.
 
     tokens (B, T), mask (B, T) bool (loss on these tokens as predictions),
-    taps (B, T, 3Ht) and target_logits (B, T, V) from the frozen target. The
+    taps (B, T, 3Ht) and target_logits from the frozen target, over its whole vocabulary
+    (B, T, V) or already over the draft vocabulary (B, T, draft_vocab). The
     loss is a sum over weighted positions divided by `norm` (default: the
     number of step-0 positions), so data-parallel ranks can share one norm.
     With `return_logits`, a fourth element holds the draft logits of every
@@ -44,7 +45,9 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     layer, attn = head.midlayer, head.midlayer.self_attn
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
     ids = torch.arange(head.config.draft_vocab_size, device=tokens.device) + head.d2t  # (dv,)
-    target_p = torch.softmax(target_logits[..., ids].float(), dim=-1)  # (B, T, dv)
+    if target_logits.shape[-1] != head.config.draft_vocab_size:
+        target_logits = target_logits[..., ids]
+    target_p = torch.softmax(target_logits.float(), dim=-1)  # (B, T, dv)
     target_top = target_p.argmax(-1)  # (B, T)
     # Every (row b, slot t) of the batch, flattened: (B*R,) each.
     b_idx, t_idx = [x.reshape(-1) for x in torch.meshgrid(
