@@ -398,7 +398,10 @@ def test_plain_rounds_catch_up_alone(bigram, monkeypatch):
     engine.config.num_draft_tokens = 0  # plain rounds: the greedy row's backlog grows
     for _ in range(6):
         engine.step()
-    assert len(sampled.seq.pending_ids) == len(greedy.seq.pending_ids) == 6
+    # The prompt's catch-up waits for a drafting round too: prompt + first token + 6 rounds.
+    assert len(sampled.seq.pending_ids) == len(ps[0]) + 6
+    assert len(greedy.seq.pending_ids) == len(ps[1]) + 6
+    assert sampled.seq.draft_len == greedy.seq.draft_len == 0
     engine.config.num_draft_tokens = 3
     sizes = []
     real = rounds._catch_up_rows
@@ -407,7 +410,7 @@ def test_plain_rounds_catch_up_alone(bigram, monkeypatch):
                                               real(b, rows, **kw)))
     late = engine.submit(ps[2], 20, stop_token_ids=[])
     engine.run_until_idle()
-    assert [6] in sizes  # the backlog caught up alone
+    assert [len(ps[1]) + 6] in sizes  # the backlog caught up alone
     assert greedy.token_ids == plain(spec, ps[1], 40, stop=[])
     assert late.token_ids == plain(spec, ps[2], 20, stop=[])
     assert len(sampled.token_ids) == 40 and sampled.metrics["spec_decode_num_drafts"] > 0

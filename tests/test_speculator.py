@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.decoding.round import Plan, Sequence, draft_chain, grant, prefill
+from eagle3.decoding.round import Plan, Sequence, catch_up, draft_chain, grant, prefill
 from eagle3.draft import attach_head, random_head, save_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
@@ -121,8 +121,10 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     prompt = torch.tensor([prompts(1, 7, 12, 13)[0]])
     n = prompt.shape[1]
     seq = Sequence("s", prompt[0].tolist(), 20, frozenset())
-    tok = prefill(spec.backend, seq)  # the prompt's forward and the draft's catch-up
-    assert seq.draft_len == seq.target_len == n
+    tok = prefill(spec.backend, seq)  # the prompt's forward; the draft's catch-up waits
+    assert (seq.draft_len, seq.target_len, len(seq.pending_ids)) == (0, n, n)
+    catch_up(spec.backend, [seq])
+    assert seq.draft_len == seq.target_len == n and not seq.pending_ids
     drafts, _ = draft_chain(spec.backend, [seq], seq.root[None], seq.boundary[None, None], [n], 5)
     with torch.no_grad():
         _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))

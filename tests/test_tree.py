@@ -17,7 +17,7 @@ import eagle3
 from conftest import make_hf_model
 from eagle3.decoding import round as rounds
 from eagle3.decoding.accept import greedy_path
-from eagle3.decoding.round import Plan, Proposal, Sequence, prefill, propose
+from eagle3.decoding.round import Plan, Proposal, Sequence, catch_up, prefill, propose
 from eagle3.decoding.tree import DEFAULT_TREE, TreeShape, parse_tree, select_tree
 from eagle3.draft import attach_head, random_head
 from eagle3.errors import Eagle3Error
@@ -155,6 +155,7 @@ def test_draft_tree_equals_stateless_recompute(dirs):
     n = prompt.shape[1]
     seq = Sequence("s", prompt[0].tolist(), 30, frozenset())
     anchor = torch.tensor([[prefill(spec.backend, seq)]])
+    catch_up(spec.backend, [seq])
     tree = propose(spec.backend, [seq], Plan(tree=shape), [shape.total_tokens])
     _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
     feats = head.fuse(taps)  # (1, n, H)

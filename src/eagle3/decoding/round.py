@@ -137,7 +137,9 @@ def draft_span(plan: Plan) -> int:
 # -- the steps ------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(backend: Backend, seq: Sequence) -> int:
-    """The prompt's target forward: the first token; queue the prompt for the draft and catch up."""
+    """The prompt's target forward: the first token; the prompt is queued for the draft, whose
+    catch-up waits for the row's first drafting round (a row that only ever decodes plainly, as
+    rows of a full batch often do, never pays for it)."""
     prof = active()
     prof.tic()
     n = len(seq.prompt)
@@ -154,8 +156,7 @@ def prefill(backend: Backend, seq: Sequence) -> int:
     seq.done = emit(seq.out, [first], seq.stop_ids, seq.max_new_tokens)
     if drafts and not seq.done:
         seq.pending_ids, seq.pending_feats = [*seq.prompt[1:], first], [feats[0]]
-        _catch_up_rows(backend, [seq], prompt=True)
-    prof.toc("prefill", seq.root, syncs=1)
+    prof.toc("prefill", logits, syncs=1)
     return first
 
 
@@ -173,10 +174,12 @@ def catch_up(backend: Backend, seqs: list[Sequence], alone_over: int | None = No
         _catch_up_rows(backend, rows)
 
 
-def _catch_up_rows(backend: Backend, rows: list[Sequence], prompt: bool = False) -> None:
-    """One batched draft forward over these rows' backlogs (padded to the longest); `prompt`:
-    a prompt's (compiled backends run it eagerly: one shape per prompt length)."""
+def _catch_up_rows(backend: Backend, rows: list[Sequence]) -> None:
+    """One batched draft forward over these rows' backlogs (padded to the longest). A row whose
+    draft has seen nothing yet catches up its prompt: compiled backends run that call eagerly
+    (one shape per prompt length)."""
     dev = backend.device
+    prompt = any(s.draft_len == 0 for s in rows)
     counts = [len(s.pending_ids) for s in rows]
     T = max(counts)
     if len(rows) == 1:  # the common case (generate): no padding
@@ -231,7 +234,8 @@ def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int
 def fusable(backend: Backend, plan: Plan, rows: list[Sequence]) -> bool:
     """Whether the backend's fused greedy chain (compiled steps) serves this group."""
     return (backend.fused_chain is not None and plan.tree is None
-            and len(rows) == 1 and rows[0].sampler is None and bool(rows[0].pending_ids))
+            and len(rows) == 1 and rows[0].sampler is None and bool(rows[0].pending_ids)
+            and rows[0].draft_len > 0)  # a prompt's catch-up is not a fixed shape
 
 
 def propose_fused(backend: Backend, s: Sequence, plan: Plan, count: int) -> Proposal:
