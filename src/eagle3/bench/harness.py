@@ -97,7 +97,7 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
         "mismatched_runs": mismatched}
     if samples[0][0].stats is None:
         return row  # a peer: no stats of ours
-    if samples[0][0].stats.get("llama_cpp"):  # llama.cpp's EAGLE-3: its own counts
+    if samples[0][0].stats.get("peer_counts"):  # an engine peer's EAGLE-3 (llama.cpp, vLLM): its counts
         first = [reps[0].stats for reps in samples]
         rounds = sum(s["rounds"] for s in first)
         drafted, accepted = (sum(s[k] for s in first) for k in ("draft_tokens", "accepted_tokens"))

@@ -85,7 +85,7 @@ def eagle3_arm(gguf: str, head_gguf: str, max_new_tokens: int, k: int, threads: 
         i = text.find(prompt)
         text = text[i + len(prompt):] if i >= 0 else text
         rounds = max(n_predict - accepted, 1)
-        stats = {"llama_cpp": True, "draft_tokens": drafted, "accepted_tokens": accepted,
+        stats = {"peer_counts": True, "draft_tokens": drafted, "accepted_tokens": accepted,
                  "rounds": rounds, "mean_accept_len": n_predict / rounds}
         return Sample(encode(text.strip("\n")), enc + dec, stats)
     return run

@@ -78,13 +78,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "token, inter-token latency. K: auto per batch size, or one integer from "
                         "--num-draft-tokens. Chain/tree rows and peers are not run")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
-    b.add_argument("--peers", default=None, metavar="hf,lookup,assisted,llama.cpp",
+    b.add_argument("--peers", default=None, metavar="hf,lookup,assisted,llama.cpp,vllm",
                    help="peers in the same interleaved run: transformers hf (greedy generate), lookup "
                         "(prompt lookup), assisted (needs --assistant); llama.cpp (plain decoding "
                         "and EAGLE-3 with this head converted by llama.cpp's converter, on the same "
-                        "GGUF file; needs `make llama.cpp`); vllm (skipped with a note: see the "
-                        "README); or none. Default hf,lookup (+assisted with --assistant) when "
-                        "transformers is installed. A peer that cannot run is skipped with a note")
+                        "GGUF file; needs `make llama.cpp`); vllm (vLLM's CPU build, plain and "
+                        "EAGLE-3 with this head, each engine a worker process of its own environment; "
+                        "needs recipes/vllm/setup.sh); or none. Default hf,lookup (+assisted with "
+                        "--assistant) when transformers is installed. A peer that cannot run is skipped "
+                        "with a note")
+    b.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the vLLM rows' weights and activations (default float32)")
     b.add_argument("--assistant", default=None, metavar="DIR",
                    help="assistant model checkpoint for transformers assisted generation")
     b.add_argument("--threads", type=int, default=None,
@@ -188,11 +192,7 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
     if bad:
         raise Eagle3Error(f"unknown peer '{bad[0]}'; use a comma-separated list of "
                           f"{', '.join((*peers.PEERS, *ENGINE_PEERS))}, or none")
-    if "vllm" in names:
-        notes.append("skipping vllm: its CPU build needs a virtual environment of its own, not "
-                     "set up by this checkout (README, 'Benchmark against vLLM')")
-    names = [n for n in names if n != "vllm"]
-    if names == ["llama.cpp"]:
+    if not [n for n in names if n not in ENGINE_PEERS]:
         return names
     if "assisted" in names and not assistant:
         raise Eagle3Error("peer 'assisted' needs --assistant DIR (a small model sharing the target's "
@@ -289,7 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import eagle3
 
-    from ..bench import peers
+    from ..bench import peers, vllm
     from ..bench.harness import run_bench
     from ..bench.report import markdown
     from ..default import default_target_dir
@@ -315,29 +315,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
     arms = {}
-    if peer_names and eager_key is None:
+    hf_names = [n for n in peer_names if n not in ENGINE_PEERS]  # transformers, in this process
+    if hf_names and eager_key is None:
         if args.peers is not None:
             raise Eagle3Error("the transformers peers need the eager backend in --backend; add "
                               "eager or pass --peers none")
         notes.append("no eager backend: skipping the transformers peers")
-        peer_names = []
+        hf_names = []
     if "llama.cpp" in peer_names:
         arms.update(llama_cpp_arms(args, spec, ks, notes))
-    peer_names = [n for n in peer_names if n != "llama.cpp"]
-    if peer_names:
+    if hf_names:
         tgt = backends[eager_key].target
         model = (tgt.model if isinstance(tgt, HFTarget) else
                  peers.load_model(default_target_dir() if args.target == "default" else args.target,
                                   resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
         assistant = (peers.load_model(args.assistant, resolve_dtype(args.dtype), model.device, "assistant")
-                     if "assisted" in peer_names else None)
-        arms.update(peers.peer_arms(peer_names, model, args.max_new_tokens, tgt.config.eos_token_ids,
+                     if "assisted" in hf_names else None)
+        arms.update(peers.peer_arms(hf_names, model, args.max_new_tokens, tgt.config.eos_token_ids,
                                     assistant))
+    workers = vllm.start_for(args, spec, ks, notes) if "vllm" in peer_names else {}
     for note in notes:
         notice(note)
-    report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       peers=arms, auto=auto, trees=trees, temperature=args.temperature,
-                       progress=sys.stderr.isatty(), backends=backends)
+    try:  # vLLM's engines run in processes of their own: stopped whatever happens
+        arms.update({name: vllm.arm(w) for name, w in workers.items()})
+        report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens,
+                           repeats=args.repeats, peers=arms, auto=auto, trees=trees,
+                           temperature=args.temperature, progress=sys.stderr.isatty(),
+                           backends=backends)
+    finally:
+        vllm.close(workers)
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
                               compiled=args.compile,
                               dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
@@ -346,6 +352,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               weight_formats={k: getattr(b.target, "weight_format", None)
                                               for k, b in backends.items()})
     report["notes"] = notes
+    for name, w in workers.items():
+        report["peers"][name]["load_seconds"] = w.load_seconds
     print(markdown(report))
     if args.memory:
         report["memory"] = memory_rows(args, spec, formats, prompts[0], "llama.cpp" in (args.peers or ""))
