@@ -267,12 +267,13 @@ class Eagle3Speculator:
         prefill(backend, seq)
         while not seq.done:
             t_round = time.perf_counter()
+            typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
             (v,) = run_round(backend, [seq], plan)
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
             if automatic and v.depths:
                 self.acceptance.record(len(v.depths), len(v.path))
-                if len(v.depths) == plan.k:  # a full round (not one cut at the end)
+                if len(v.depths) == plan.k and typical:  # a full round (not one cut at the end)
                     self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
                                          self.costs.round_ms(1, plan))
                 if stats["rounds"] % REPICK_EVERY == 0:

@@ -16,16 +16,23 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import Eagle3Error, brief
 from ..files import atomic_dir
 from .harness import Arm, Sample
 
-SETUP_HINT = "run recipes/vllm/setup.sh first (README, 'Benchmark against vLLM')"
+SETUP_HINT = "run recipes/vllm/setup.sh first (README, 'Weight formats' -> vLLM's CPU build)"
 START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 600.0
+# After each read vLLM's shared-memory readers spin (sched_yield) for 1 s and its OpenMP threads
+# for their block time, on the cores the next arm needs: each vLLM request waits this long
+# after its reply (untimed) so that the next arm runs on idle cores.
+SETTLE_S = 1.2
 
 
 def root() -> Path:
@@ -69,10 +76,16 @@ def target_checkpoint(target: str, tokenizer_dir: str | None) -> str:
         return str(out)
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 torch_dtype=torch.float32)
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf),
+                                                     gguf_file=os.path.basename(gguf),
+                                                     torch_dtype=torch.float32)
+    except ImportError as e:
+        raise Eagle3Error(f"vLLM reads HF checkpoints, and converting {gguf} needs transformers "
+                          f"and gguf ({brief(e)}): pip install 'eagle3[hf]' gguf") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out) as tmp:
         # save_pretrained refuses a model loaded from GGUF: the tensors and a plain config
@@ -114,45 +127,70 @@ class Worker:
         libiomp = root() / "venv" / "lib" / "libiomp5.so"  # vLLM's CPU build wants Intel OpenMP
         if libiomp.is_file():
             env["LD_PRELOAD"] = str(libiomp)
-        self.proc = subprocess.Popen([str(python()), str(worker), json.dumps(config)], env=env,
+        # A session of its own: vLLM's engine and CPU workers are its children, stopped as a group.
+        # -I: the worker's own directory (which holds this module, vllm.py) stays off sys.path
+        self.proc = subprocess.Popen([str(python()), "-I", str(worker), json.dumps(config)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, bufsize=1)
-        self.load_seconds = float(self._reply(START_TIMEOUT_S, "start")["load_seconds"])
+                                     text=True, bufsize=1, start_new_session=True)
+        self.load_seconds = float(self._reply(START_TIMEOUT_S, "start").get("load_seconds", 0.0))
 
     def _reply(self, timeout: float, what: str) -> dict:
         import select
 
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
-        if not line:
+        try:
+            reply = json.loads(line) if line else None
+        except json.JSONDecodeError:
+            reply = None
+        if not isinstance(reply, dict) or "error" in reply:
+            why = (f"no answer within {timeout:.0f} s" if not ready else
+                   reply["error"] if isinstance(reply, dict) else self._last_log_line())
             self.close()
-            raise Eagle3Error(f"vLLM ({self.name}) failed to {what}: {self._last_log_line()} "
-                              f"(whole log: {self.log.name})")
-        return json.loads(line)
+            raise Eagle3Error(f"vLLM ({self.name}) failed to {what}: {why} (its log: {self.log.name})")
+        return reply
 
     def _last_log_line(self) -> str:
+        """The log's most telling line: its last error that is not a generic wrapper."""
         self.log.flush()
         lines = [ln.strip() for ln in Path(self.log.name).read_text(errors="replace").splitlines()
                  if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        errors = [ln for ln in lines if "rror" in ln and "See root cause" not in ln]
         return ((errors or lines or ["(no output)"])[-1])[:240]
 
     def generate(self, ids: list[int]) -> dict:
         if self.proc.poll() is not None:
-            raise Eagle3Error(f"vLLM ({self.name}) has exited: {self._last_log_line()}")
-        self.proc.stdin.write(json.dumps({"ids": ids}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply(START_TIMEOUT_S, "generate")
+            raise Eagle3Error(f"vLLM ({self.name}) has exited: {self._last_log_line()} "
+                              f"(its log: {self.log.name})")
+        try:
+            self.proc.stdin.write(json.dumps({"ids": ids}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.close()
+            raise Eagle3Error(f"vLLM ({self.name}) has exited: {self._last_log_line()} "
+                              f"(its log: {self.log.name})") from None
+        reply = self._reply(REQUEST_TIMEOUT_S, "generate")
+        time.sleep(SETTLE_S)
+        return reply
 
     def close(self) -> None:
+        """Stop the engine (its whole process group); the log goes unless it ended in failure."""
+        clean = False
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write("\n")
                 self.proc.stdin.close()
-                self.proc.wait(timeout=60)
+                clean = self.proc.wait(timeout=60) == 0
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.log.close()
+        if clean:
+            os.unlink(self.log.name)
 
 
 def arm(worker: Worker) -> Arm:
@@ -160,10 +198,9 @@ def arm(worker: Worker) -> Arm:
     def run(ids: list[int]) -> Sample:
         r = worker.generate(ids)
         stats = None
-        if worker.speculates:  # tau = tokens / target forwards (each emits accepted + 1)
-            rounds = max(len(r["tokens"]) - r["accepted_tokens"], 1)
+        if worker.speculates:  # rounds = verify rounds, as ours: tau = 1 + accepted / drafts
             stats = {"peer_counts": True, "draft_tokens": r["draft_tokens"],
-                     "accepted_tokens": r["accepted_tokens"], "rounds": rounds}
+                     "accepted_tokens": r["accepted_tokens"], "rounds": r["drafts"]}
         return Sample(r["tokens"], float(r["seconds"]), stats)
     return run
 
@@ -184,7 +221,7 @@ def start(target: str, tokenizer_dir: str | None, head: str | None, k: int, max_
     except Eagle3Error:
         close(workers)
         raise
-    except OSError as e:
+    except Exception as e:  # e.g. the interpreter cannot be run: no engine may outlive the bench
         close(workers)
         raise Eagle3Error(f"cannot start vLLM: {brief(e)}") from None
     return workers

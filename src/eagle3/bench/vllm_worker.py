@@ -30,11 +30,21 @@ def _counters(llm) -> dict:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM logs to stdout: keep it off the protocol
+    try:
+        serve(json.loads(sys.argv[1]), proto)
+    except Exception as e:  # one line for eagle3's error message; the traceback to the log
+        import traceback
+
+        traceback.print_exc()
+        proto.write(json.dumps({"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}) + "\n")
+        sys.exit(1)
+
+
+def serve(cfg: dict, proto) -> None:
     threads = int(cfg.get("threads", 2))
-    # The settings that ran on 2 CPU cores (README, "Benchmark against vLLM"): no AOT compile
+    # The settings that ran on 2 CPU cores (README, "Weight formats" -> vLLM): no AOT compile
     # cache (reloading it fails), the first `threads` cores, none reserved, 2 GiB of KV cache.
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")

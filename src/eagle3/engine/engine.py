@@ -281,6 +281,9 @@ class Engine:
             return False
         batch = list(self.running)
         plan = self._choose_plan(batch)
+        # A row's first drafting round also runs the head over its prompt: not a round's usual
+        # cost, so such rounds do not correct the cost model.
+        typical = not any(r.seq.draft_len == 0 and r.seq.drafts for r in batch)
         t0 = time.perf_counter()
         try:
             verdicts = run_round(self.backend, [r.seq for r in batch], plan)
@@ -289,7 +292,7 @@ class Engine:
             for r in batch:
                 self._finish(r, RequestState.FAILED, "error", error=brief(e))
             return True
-        if self.costs is not None:
+        if self.costs is not None and (typical or not plan.drafts):
             self.observed.record(len(batch), plan, (time.perf_counter() - t0) * 1e3,
                                  self.costs.round_ms(len(batch), plan))
         key = "tree" if plan.tree is not None else plan.k

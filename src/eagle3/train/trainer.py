@@ -84,19 +84,25 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+def head_config(tc, draft_vocab: int, taps) -> DraftConfig:
+    """The config of a head this training writes for target config `tc`: one layer shaped like
+    the target's."""
+    heads = getattr(tc, "num_attention_heads", max(1, tc.hidden_size // 64))
+    rope = tc.layer_rope[-1] if getattr(tc, "layer_rope", None) else RopeConfig()
+    return DraftConfig(hidden_size=tc.hidden_size, intermediate_size=getattr(tc, "intermediate_size",
+                       4 * tc.hidden_size), num_attention_heads=heads,
+                       num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
+                       head_dim=getattr(tc, "head_dim", tc.hidden_size // heads), vocab_size=tc.vocab_size,
+                       draft_vocab_size=draft_vocab, target_hidden_size=tc.hidden_size,
+                       rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope=RopeConfig(theta=rope.theta),
+                       max_position_embeddings=getattr(tc, "max_position_embeddings", tc.max_seq_len),
+                       taps=tuple(taps))
+
+
 def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, taps, seed: int) -> Eagle3Draft:
     """A fresh head shaped like one target layer, initialised as HF Llama does (std 0.02)."""
     tc = target.config
-    heads = getattr(tc, "num_attention_heads", max(1, tc.hidden_size // 64))
-    rope = tc.layer_rope[-1] if getattr(tc, "layer_rope", None) else RopeConfig()
-    cfg = DraftConfig(hidden_size=tc.hidden_size, intermediate_size=getattr(tc, "intermediate_size",
-                      4 * tc.hidden_size), num_attention_heads=heads,
-                      num_key_value_heads=getattr(tc, "num_key_value_heads", heads),
-                      head_dim=getattr(tc, "head_dim", tc.hidden_size // heads), vocab_size=tc.vocab_size,
-                      draft_vocab_size=ids.numel(), target_hidden_size=tc.hidden_size,
-                      rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope=RopeConfig(theta=rope.theta),
-                      max_position_embeddings=getattr(tc, "max_position_embeddings", tc.max_seq_len),
-                      taps=tuple(taps))
+    cfg = head_config(tc, ids.numel(), taps)
     torch.manual_seed(seed)
     head = Eagle3Draft(cfg, max_len=tc.max_seq_len, with_embedding=False)
     with torch.no_grad():
@@ -315,11 +321,11 @@ def train_draft(args: TrainArgs) -> dict:
     if args.taps:
         target.tap_layers = args.taps
     taps = tuple(target.tap_layers)
-    init = read_init(args.init_from, target.config, args.draft_vocab) if args.init_from else None
+    init = read_init(args.init_from, target.config, args.draft_vocab, taps) if args.init_from else None
     samples, ids, d2t, t2d, key = prepare(args, target, rank)
     head = new_head(target, ids, d2t, t2d, taps, args.seed)
     if init is not None:
-        ids = start_from(head, init, args.init_from)
+        ids = start_from(head, init)
         key = hashlib.sha256((key + json.dumps(ids.tolist())).encode()).hexdigest()
     if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
         head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
@@ -408,42 +414,38 @@ def train_draft(args: TrainArgs) -> dict:
     return report
 
 
-def read_init(path: str, tc, draft_vocab: int) -> Eagle3Draft:
-    """The head `--init-from` names, read and checked against the target config `tc` and
-    `--draft-vocab` before anything long runs."""
+def read_init(path: str, tc, draft_vocab: int, taps) -> Eagle3Draft:
+    """The head `--init-from` names, read and checked against the head this run would build
+    (target config `tc`, `--draft-vocab`, taps) before anything long runs."""
     from ..draft.formats import load_head
 
     try:
         _, old = load_head(path)
     except Eagle3Error as e:
         raise Eagle3Error(f"--init-from: {e}") from None
-    o = old.config
-    for name, want in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
-                       ("draft_vocab_size", draft_vocab)):
-        if getattr(o, name) != want:
+    want, o = head_config(tc, draft_vocab, taps), old.config
+    for name in ("draft_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size", "taps",
+                 "norm_before_fc"):
+        if getattr(o, name) != getattr(want, name):
+            fix = (f"pass --draft-vocab {o.draft_vocab_size}" if name == "draft_vocab_size" else
+                   "pass a head this training wrote for this target")
             raise Eagle3Error(f"--init-from {path}: its {name} is {getattr(o, name)}, this run's is "
-                              f"{want}; pass a head trained for this target with --draft-vocab "
-                              f"{o.draft_vocab_size}, or drop --init-from")
+                              f"{getattr(want, name)}; {fix}, or drop --init-from")
     return old
 
 
-def start_from(head: Eagle3Draft, old: Eagle3Draft, path: str) -> torch.Tensor:
-    """Load head `old` (read from `path`) into `head`, weights and draft vocabulary; returns its
-    draft ids. A new run continues its training with a schedule of its own."""
-    c, o = head.config, old.config
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "taps"):
-        if getattr(c, name) != getattr(o, name):
-            raise Eagle3Error(f"--init-from {path}: its {name} is {getattr(o, name)}, this run's is "
-                              f"{getattr(c, name)}; pass a head trained for this target (same "
-                              "taps and layer shape), or drop --init-from")
+def start_from(head: Eagle3Draft, old: Eagle3Draft) -> torch.Tensor:
+    """Load head `old` (checked by `read_init`) into `head`, weights and draft vocabulary;
+    returns its draft ids. A new run continues its training with a schedule of its own."""
     state = {k: v.float() if v.is_floating_point() else v for k, v in old.state_dict().items()
              if not k.startswith("embed_tokens")}
-    missing = set(head.load_state_dict(state, strict=False).missing_keys) - {"embed_tokens.weight"}
-    if missing:
-        raise Eagle3Error(f"--init-from {path}: lacks {sorted(missing)[0]}; pass an EAGLE-3 head "
-                          "directory written by eagle3")
-    return torch.arange(c.draft_vocab_size) + head.d2t
+    result = head.load_state_dict(state, strict=False)  # the embedding is the target's
+    odd = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.startswith("embed_tokens")]
+    if odd:
+        raise Eagle3Error(f"--init-from: the head's tensor {odd[0]} does not fit this run's head; "
+                          "pass a head this training wrote for this target, or drop --init-from")
+    return torch.arange(head.config.draft_vocab_size) + head.d2t
 
 
 def load_checkpoint(path: Path) -> dict:
