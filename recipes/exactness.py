@@ -107,7 +107,8 @@ def arm(name: str, prompts: list[list[int]], new: int, out_dir: Path) -> dict[st
     spec = eagle3.load("default", quantize=fmt)
     plain = in_engine(spec, prompts, new, speculate=False)
     specd = in_engine(spec, prompts, new, speculate=True)
-    out = {"path": f"engine, {BATCH} requests at a time", "exact_kernels": bool(getattr(spec.target, "exact", False)),
+    out = {"path": f"engine, {BATCH} requests at a time",
+           "exact_kernels": bool(getattr(spec.target, "exact", False)),
            "plain": plain, "speculative": specd, "vs_plain": compare(plain["outputs"], specd["outputs"])}
     if fmt == "gguf":
         single = one_by_one(spec, prompts, new, K)
@@ -131,8 +132,13 @@ def main() -> None:
             print(f"{name}: done before ({path})", file=sys.stderr)
             continue
         t0 = time.time()
+        try:
+            measured = arm(name, prompts, new, out_dir)
+        except Exception as e:  # one arm's failure (a missing program) leaves the others to run
+            print(f"{name}: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
         result = {"arm": name, "prompts": len(prompts), "max_new_tokens": new, "num_draft_tokens": K,
-                  **arm(name, prompts, new, out_dir), "wall_s": round(time.time() - t0, 1)}
+                  **measured, "wall_s": round(time.time() - t0, 1)}
         result["plain_tokens"] = sum(len(o) for o in result["plain"]["outputs"])
         path.write_text(json.dumps(result) + "\n")
         print(f"{name}: {result['vs_plain']['outputs_differ']}/{len(prompts)} outputs differ "
