@@ -228,6 +228,8 @@ def test_weight_formats_side_by_side_and_llama_cpp_skipped_with_a_note(dirs, tmp
     # engine peers pass parsing; each is skipped with a note at run time when it cannot run
     # (vllm: tests/test_vllm_peer.py)
     assert parse_peers("llama.cpp,vllm", None, notes) == ["llama.cpp", "vllm"] and notes == []
+    if peers.available():  # the spelling of the transformers peer
+        assert parse_peers("llama.cpp,vllm,transformers", None, notes) == ["llama.cpp", "vllm", "hf"]
     rc = main(["bench", "--target", target, "--draft", head, "--prompts", prompts, "--limit", "2",
                "--max-new-tokens", "8", "--num-draft-tokens", "2", "--tree", "none", "--repeats", "1",
                "--quantize", "fp32,int4", "--peers", "llama.cpp", "--json", str(out)])

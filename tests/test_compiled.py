@@ -16,8 +16,10 @@ from torch._dynamo.utils import counters
 import eagle3
 from conftest import make_hf_model
 from eagle3.decoding.costs import RoundCosts
+from eagle3.decoding.layout import causal_layout
 from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head, random_head
+from eagle3.kernels import kernel_available
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
@@ -33,7 +35,8 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     save_bigram_target(str(root / "bigram"))
     make_hf_model("gemma2", seed=1).save_pretrained(str(root / "gemma2"))
-    return {"bigram": str(root / "bigram"), "gemma2": str(root / "gemma2")}
+    make_hf_model("llama", seed=3).save_pretrained(str(root / "llama"))
+    return {"bigram": str(root / "bigram"), "gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
 
 
 def prompts(n: int, seed: int, V: int) -> list[list[int]]:
@@ -208,3 +211,27 @@ def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
     for n in (30, MAX_LEN - len(p)):
         assert spec.generate(p, n, stop_token_ids=[]).token_ids == plain(t, p, n)
     assert counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_compiled_verify_rows_equal_decode_rows_in_each_format(dirs, quantize):
+    """The compiled target step over 9 tokens gives each row the logits and features of the
+    compiled 1-token step, bit for bit; so compiled speculation equals compiled plain decoding."""
+    t = eagle3.load(dirs["llama"], "none", quantize=quantize).target
+    head = random_head(t, taps=(1, 3, 5), seed=4)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head).compile()
+    b = spec.backend
+    g = torch.Generator().manual_seed(0)
+    prompt, new = torch.randint(1, 160, (1, 11), generator=g), torch.randint(1, 160, (1, 9), generator=g)
+    with torch.no_grad():
+        b.target([None], prompt, causal_layout([0], 11), last_only=True)
+        verify, vfeat = b.target([None], new, causal_layout([11], 9))
+        for i in range(9):
+            one, ofeat = b.target([None], new[:, i:i + 1], causal_layout([11 + i], 1))
+            assert torch.equal(one[0, 0], verify[0, i]), f"row {i}"
+            assert torch.equal(ofeat[0, 0], vfeat[0, i]), f"feature {i}"
+    plain_spec = Eagle3Speculator(t).compile()
+    for p in prompts(3, seed=5, V=160):
+        assert spec.generate(p, 24, num_draft_tokens=3).token_ids == plain_spec.generate(p, 24).token_ids

@@ -134,10 +134,11 @@ def test_chat_streams_turns_and_resets(spec):
 
 
 @pytest.mark.skipif(not (HEAD / "config.json").is_file(), reason="models/default/head is not shipped")
-@pytest.mark.parametrize("quantize", ["int4", "gguf"])
-def test_real_model_in_a_quantized_format_is_bit_exact(quantize):
-    """SmolLM2 with its head in a packed format: verify rows == 1-row decode rows bitwise,
-    and speculative == plain decoding for K = 1..8, the default tree, and at the cache's end."""
+@pytest.mark.parametrize("quantize", ["fp32", "bf16", "int8", "int4", "gguf"])
+def test_real_model_in_each_format_is_bit_exact(quantize):
+    """SmolLM2 with its head in each weight format: verify rows == 1-row decode rows bitwise,
+    and speculative == plain decoding for K = 1..8 (2 and 5 for the formats the default does
+    not use), the default tree, and at the cache's end."""
     from eagle3.kernels import kernel_available
 
     if not kernel_available():
@@ -159,7 +160,7 @@ def test_real_model_in_a_quantized_format_is_bit_exact(quantize):
     for msgs in MESSAGES:
         ids = spec.tokenizer.apply_chat_template(msgs)
         want = plain.generate(ids, 48).token_ids
-        for k in range(1, 9):
+        for k in range(1, 9) if quantize in ("int4", "gguf") else (2, 5):
             assert spec.generate(ids, 48, num_draft_tokens=k).token_ids == want, k
         assert spec.generate(ids, 48, tree=True).token_ids == want
         # to the cache's last slot: capacity cuts the drafts, the output stays plain's

@@ -171,8 +171,12 @@ def llama_dir(tmp_path_factory):
 @needs_kernel
 @pytest.mark.parametrize("quantize", [None, "bf16", "int8", "int4"])
 def test_verify_rows_equal_decode_rows_bitwise(llama_dir, quantize):
-    spec = eagle3.load(llama_dir, "none", quantize=quantize)
-    t = spec.target
+    assert_verify_rows_equal_decode_rows(eagle3.load(llama_dir, "none", quantize=quantize).target)
+
+
+def assert_verify_rows_equal_decode_rows(t) -> None:
+    """A 9-token verify (chain, then a tree) against 1-token steps over the same prefix: every
+    row's logits and taps bit for bit."""
     t.tap_layers = (1, 3, 5)
     assert t.exact and t.weight_format is not None
     torch.manual_seed(0)
@@ -290,7 +294,7 @@ def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
         ref = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         ref = torch.from_numpy(ref.astype(np.float32)).reshape(down.out_features, down.in_features)
         torch.testing.assert_close(down.dequantized(), ref, rtol=0, atol=0)
-    t.tap_layers = (1, 3, 5)
+    assert_verify_rows_equal_decode_rows(t)
     head = random_head(t, taps=(1, 3, 5), seed=9)
     attach_head(head, t)
     s, plain = Eagle3Speculator(t, head), Eagle3Speculator(t)
@@ -376,3 +380,22 @@ def test_codes_only_names_takes_whole_layers_in_one_block_type():
              ("model.embed_tokens.weight", "Q8_0", (160, 64)), ("lm_head.weight", "Q8_0", (160, 64))]
     assert codes_only_names(named) == {L + "self_attn.o_proj.weight", L + "mlp.gate_proj.weight",
                                        L + "mlp.up_proj.weight", "lm_head.weight"}
+
+
+@needs_kernel
+@pytest.mark.parametrize("kw,reason", [({}, None), ({"quantize": "int4"}, None),
+                                       ({"quantize": "none"}, "quantize='none'"),
+                                       ({"dtype": "bfloat16"}, "dtype bfloat16")])
+def test_speculation_off_the_row_invariant_kernels_says_so_in_one_line(kw, reason, capsys):
+    capsys.readouterr()
+    spec = eagle3.load("default", **kw)
+    err = capsys.readouterr().err
+    assert spec.draft is not None
+    if reason is None:
+        assert "near-ties" not in err, err
+    else:
+        lines = [line for line in err.splitlines() if "near-ties" in line]
+        assert len(lines) == 1 and reason in lines[0] and lines[0].startswith("eagle3: "), err
+    capsys.readouterr()
+    eagle3.load("default", "none", **kw)  # plain decoding: nothing to say
+    assert "near-ties" not in capsys.readouterr().err

@@ -70,6 +70,24 @@ def test_head_converts_to_llama_cpp_gguf(pair, tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f != "head.gguf"]  # no temporary left behind
 
 
+@needs_sources
+def test_convert_cli_writes_the_head_llama_cpp_loads(pair, tmp_path):
+    import gguf
+
+    tdir, hdir, head = pair
+    out = tmp_path / "cli.gguf"
+    p = subprocess.run([sys.executable, "-m", "eagle3", "convert", hdir, str(out), "--to", "gguf",
+                        "--target", tdir], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = gguf.GGUFReader(str(out))
+    assert r.fields["general.architecture"].contents() == "eagle3"
+    assert r.fields["eagle3.target_layers"].contents() == [1, 3, 4]
+    tensors = {t.name: t for t in r.tensors}
+    fc = np.asarray(tensors["fc.weight"].data).reshape(head.fc.weight.shape)
+    assert np.array_equal(fc, head.fc.weight.detach().numpy())
+    assert sorted(os.listdir(tmp_path)) == ["cli.gguf"]
+
+
 def test_convert_cli_errors(pair, tmp_path):
     tdir, hdir, _ = pair
     run = lambda *a: subprocess.run([sys.executable, "-m", "eagle3", "convert", *a],  # noqa: E731

@@ -68,3 +68,41 @@ def test_gemma3_270m_served_by_the_engine():
         engine.run_until_idle()
         assert [r.token_ids for r in reqs] == want, cfg
         assert engine.pool.used_tokens == 0
+
+
+def test_gemma3_270m_served_over_http():
+    """`eagle3 serve`'s app over the engine on Gemma 3 270M (sliding windows of 512), prompts past
+    the window sent together: each answer's tokens equal plain decoding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("requests")
+    from servers import Server
+
+    from eagle3.draft import attach_head, random_head
+    from eagle3.engine import Engine, EngineConfig
+    from eagle3.speculator import Eagle3Speculator
+
+    t = eagle3.load("gemma-3-270m", "none", max_seq_len=640).target
+    head = random_head(t, seed=1, scale=0.3)
+    attach_head(head, t)
+    spec = Eagle3Speculator(t, head)
+    g = torch.Generator().manual_seed(2)
+    long_prompt = [2] + torch.randint(3, 20000, (540,), generator=g).tolist()
+    prompts = [long_prompt, long_prompt[:60], [2, 651, 6037, 529, 6081, 603]]
+    want = [spec.plain().generate(p, 12).token_ids for p in prompts]
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3)).start()
+    srv = Server(engine)
+    try:
+        def ask(p: list[int]) -> list[int]:
+            r = srv.post("/v1/completions", {"model": "eagle3-default", "prompt": p, "max_tokens": 12,
+                                             "temperature": 0})
+            assert r.status_code == 200, r.text[:500]
+            return r.json()["eagle3"]["token_ids"]
+
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(ask, prompts)) == want
+    finally:
+        srv.close()
+        engine.stop()

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .errors import Eagle3Error
+from .errors import Eagle3Error, notice
 from .kernels import kernel_available, parse_quantize, prepare_target
 from .speculator import Eagle3Speculator
 from .targets import load_target, resolve_dtype
@@ -91,8 +91,26 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     elif quantize not in (None, "none", "auto"):
         raise Eagle3Error("quantize needs the native backend (this target runs through "
                           "transformers); use backend='native' or 'auto'")
+    if head is not None and not getattr(tgt, "exact", False):
+        notice(f"{inexact_reason(tgt, quantize, dev)}: the verify forward over K+1 tokens may round "
+               "differently from a 1-token step, so speculative output can differ from plain "
+               "decoding at near-ties; a float32 native target on the CPU (quantize None, fp32, "
+               "bf16, int8, int4 or gguf) is bit-identical")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return spec.compile() if compile else spec
+
+
+def inexact_reason(target: object, quantize: str | None, device: torch.device) -> str:
+    """Why a loaded target runs stock (not row-invariant) kernels, in a few words."""
+    if not isinstance(target, NativeTarget):
+        return "the transformers adapter runs stock PyTorch kernels"
+    if quantize == "none":
+        return "quantize='none' runs stock PyTorch layers"
+    if device.type != "cpu":
+        return f"on {device.type} the target runs stock PyTorch kernels"
+    if target.embedding_weight.dtype != torch.float32:
+        return f"dtype {str(target.embedding_weight.dtype).removeprefix('torch.')} runs stock PyTorch kernels"
+    return "the row-invariant kernels are not built here, so stock PyTorch kernels run"
 
 
 def return_freed_memory() -> None:

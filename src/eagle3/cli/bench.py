@@ -79,7 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "--num-draft-tokens. Chain/tree rows and peers are not run")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt (default 3)")
     b.add_argument("--peers", default=None, metavar="hf,lookup,assisted,llama.cpp,vllm",
-                   help="peers in the same interleaved run: transformers hf (greedy generate), lookup "
+                   help="peers in the same interleaved run: transformers hf (greedy generate; also "
+                        "spelled transformers), lookup "
                         "(prompt lookup), assisted (needs --assistant); llama.cpp (plain decoding "
                         "and EAGLE-3 with this head converted by llama.cpp's converter, on the same "
                         "GGUF file; needs `make llama.cpp`); vllm (vLLM's CPU build, plain and "
@@ -173,6 +174,7 @@ def parse_formats(text: str | None) -> list[str | None]:
 
 
 ENGINE_PEERS = ("llama.cpp", "vllm")  # other engines, run as separate programs
+PEER_ALIASES = {"transformers": "hf"}  # the issue's name for transformers' greedy generate
 
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
@@ -185,7 +187,7 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
             notes.append("transformers is not installed: skipping the peers (pip install 'eagle3[hf]')")
             return []
         return names
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    names = list(dict.fromkeys(PEER_ALIASES.get(t.strip(), t.strip()) for t in text.split(",") if t.strip()))
     if names in ([], ["none"]):
         return []
     bad = [n for n in names if n not in (*peers.PEERS, *ENGINE_PEERS)]
@@ -245,12 +247,12 @@ def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[
 def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -> list[list[int]]:
     """Token ids per record, each checked against the target (vocabulary, length)."""
     from ..decoding.request import check_generation
-    from ..train.data import _prompt_from_record
+    from ..train.data import prompt_from_record
 
     cfg = spec.target.config
     prompts = []
     for where, rec in records:
-        ids = _prompt_from_record(rec, spec.tokenizer, where)
+        ids = prompt_from_record(rec, spec.tokenizer, where)
         try:
             prompts.append(check_generation(ids, max_new_tokens, vocab_size=cfg.vocab_size,
                                             max_len=cfg.max_seq_len, eos_token_ids=()).prompt)

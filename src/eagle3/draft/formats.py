@@ -19,7 +19,7 @@ import torch
 
 from ..errors import Eagle3Error, notice, wrong_values_as
 from ..targets.checkpoint import read_state_dict
-from ..targets.config import MAX_SIZE, RopeConfig, _rope_from_dict, read_config_json
+from ..targets.config import MAX_SIZE, RopeConfig, read_config_json, rope_from_dict
 from .model import DraftConfig, Eagle3Draft
 
 FORMATS = ("official", "sglang", "speculators")
@@ -80,8 +80,8 @@ def _rope(layer: dict, where: str) -> RopeConfig:
     theta = _number(layer, "rope_theta", where, 10000.0)
     rp = layer.get("rope_parameters")  # newer transformers: {rope_theta, rope_type, ...}
     if isinstance(rp, dict) and rp:
-        return _rope_from_dict(rp, _number(rp, "rope_theta", where, theta), where)
-    return _rope_from_dict(layer.get("rope_scaling"), theta, where)
+        return rope_from_dict(rp, _number(rp, "rope_theta", where, theta), where)
+    return rope_from_dict(layer.get("rope_scaling"), theta, where)
 
 
 def _taps(taps, where: str) -> tuple[int, ...] | None:

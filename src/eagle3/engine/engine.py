@@ -409,7 +409,7 @@ class Engine:
                 r.on_event(r, list(new or []), True)
             except Exception as e:  # nothing left to fail; note it
                 notice(f"request {r.id}: its final callback raised {type(e).__name__}: {e}")
-        r._done.set()
+        r.set_done()
 
     # -- metrics ----------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -67,6 +67,10 @@ class Request:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def set_done(self) -> None:
+        """Wake every `wait()`er: the engine calls this once the request's state is final."""
+        self._done.set()
+
     @property
     def metrics(self) -> dict[str, Any]:
         """Latencies (seconds) and vLLM-named speculation counters for this request."""

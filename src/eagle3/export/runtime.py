@@ -293,11 +293,14 @@ class ExecutorchSpeculator(Eagle3Speculator):
             check_pte(os.path.join(program_dir, PROGRAM_FILE))
             _loaded = (*_load_methods(Runtime.get(), program_dir, meta["methods"]), meta)
         self._program, self.methods, self.meta = _loaded
-        if speculate and self.meta.get("quantize", "none") != "none":
-            notice(f"{program_dir} is {self.meta['quantize']}-quantized: its int8 activations round "
-                   "differently for 1 and K+1 tokens, so speculative output can differ from this "
-                   "program's plain decoding at near-ties (README, Export); use an fp32 program "
-                   "for identical output")
+        if speculate:  # XNNPACK's kernels are not row-invariant (README, Export)
+            quantized = self.meta.get("quantize", "none") != "none"
+            how = (f"is {self.meta['quantize']}-quantized: its int8 activations round differently"
+                   if quantized else "runs XNNPACK's fp32 kernels, which round slightly differently")
+            notice(f"{program_dir} {how} for 1 and K+1 tokens, so speculative output can differ from "
+                   "this program's plain decoding at near-ties"
+                   + ("; an fp32 program rarely does" if quantized else "")
+                   + "; the eager backend is bit-identical")
         self.program_dir = program_dir
         super().__init__(ProgramTarget(self.meta), ProgramHead(self.meta) if speculate else None,
                          tokenizer, backend=ProgramBackend(self.methods, self.meta, speculate))

@@ -164,7 +164,7 @@ def target_path(target: str) -> tuple[str, str | None]:
     """Where `target` (a checkpoint dir, a .gguf file or a directory holding one, a model name
     or 'default') lives: (path, its GGUF file or None), resolved as `load_target` does."""
     if target == "default":
-        from ..default import default_target_dir
+        from .named import default_target_dir
 
         target = default_target_dir()
     path = resolve_target(target)
@@ -173,7 +173,7 @@ def target_path(target: str) -> tuple[str, str | None]:
 
 
 def _load_default(path: str | None = None, **kw) -> TapTarget:
-    from ..default import default_target_dir
+    from .named import default_target_dir
 
     return load_target(default_target_dir(), **kw)
 

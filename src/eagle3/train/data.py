@@ -22,6 +22,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ def read_prompts(data: str, tokenizer, *, prompt_len: int, prompts_per_file: int
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     raise Eagle3Error(f"{data}:{n} is not valid JSON") from None
-                prompts.append(_prompt_from_record(rec, tokenizer, f"{data}:{n}"))
+                prompts.append(prompt_from_record(rec, tokenizer, f"{data}:{n}"))
     else:
         rng = random.Random(seed)
         need_tok(tokenizer, data)
@@ -120,7 +121,9 @@ def need_tok(tokenizer, data: str) -> None:
                           "token ids (jsonl with prompt_ids)")
 
 
-def _prompt_from_record(rec: dict, tokenizer, where: str) -> list[int]:
+def prompt_from_record(rec: dict, tokenizer: Any, where: str) -> list[int]:
+    """A prompts-file record's token ids: its prompt_ids, its prompt encoded, or its messages
+    through the chat template (one-line errors name `where`)."""
     if not isinstance(rec, dict):
         raise Eagle3Error(f"{where}: each line must be a JSON object with prompt, prompt_ids or messages")
     if "prompt_ids" in rec:
