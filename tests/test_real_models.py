@@ -78,11 +78,10 @@ def test_gemma3_270m_served_over_http():
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("requests")
-    from servers import Server
-
     from eagle3.draft import attach_head, random_head
     from eagle3.engine import Engine, EngineConfig
     from eagle3.speculator import Eagle3Speculator
+    from servers import Server
 
     t = eagle3.load("gemma-3-270m", "none", max_seq_len=640).target
     head = random_head(t, seed=1, scale=0.3)

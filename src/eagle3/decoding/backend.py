@@ -132,8 +132,10 @@ class StaticBackend:
         self.compiled = self.fixed_shapes = True
         self._target_step = lambda *a: target(*_dense(a[:6], {2: 0, 3: 1, 5: 0}), *a[6:])
         self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
+        # The catch-up width R (tokens, feats, seed slots) follows the last round's acceptance:
+        # dynamic, so each K keeps one graph for R >= 2 (R = 1 is specialized apart).
         self.fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(
-            self._chain_args(tokens, feats, start, used, k), {3: 0}))
+            self._chain_args(tokens, feats, start, used, k), {0: 1, 1: 1, 2: 0, 3: 0}))
         tree = torch.compile(self._tree_steps, fullgraph=True)
 
         def fused_tree(root: torch.Tensor, boundary: torch.Tensor, start: int, k: int, depth: int,
@@ -171,7 +173,8 @@ class StaticBackend:
         feats = torch.zeros(1, kmax + 1, H, dtype=self.draft_model.dtype, device=self.device)
         tokens = torch.zeros(1, kmax + 1, dtype=torch.long, device=self.device)
         for k in range(1, kmax + 1):
-            self.fused_chain(tokens[:, :k + 1], feats[:, :k + 1], start, 0, k)
+            for R in (1, k + 1):  # both graphs a K may need (see `compile`)
+                self.fused_chain(tokens[:, :R], feats[:, :R], start, 0, k)
 
     def _chain_args(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, used: int,
                     k: int) -> tuple[torch.Tensor, ...]:
