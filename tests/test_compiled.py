@@ -216,8 +216,10 @@ def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
 @pytest.mark.skipif(not kernel_available(), reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_compiled_verify_rows_equal_decode_rows_in_each_format(dirs, quantize):
-    """The compiled target step over 9 tokens gives each row the logits and features of the
-    compiled 1-token step, bit for bit; so compiled speculation equals compiled plain decoding."""
+    """The compiled target step over 9 tokens gives each row the logits of the compiled 1-token
+    step, bit for bit; so compiled speculation equals compiled plain decoding. (The features
+    fused by the head's fc are not compared: a float32 head keeps stock layers, and its
+    proposals need not be row-invariant for the output to be exact.)"""
     t = eagle3.load(dirs["llama"], "none", quantize=quantize).target
     head = random_head(t, taps=(1, 3, 5), seed=4)
     attach_head(head, t)
@@ -227,11 +229,10 @@ def test_compiled_verify_rows_equal_decode_rows_in_each_format(dirs, quantize):
     prompt, new = torch.randint(1, 160, (1, 11), generator=g), torch.randint(1, 160, (1, 9), generator=g)
     with torch.no_grad():
         b.target([None], prompt, causal_layout([0], 11), last_only=True)
-        verify, vfeat = b.target([None], new, causal_layout([11], 9))
+        verify, _ = b.target([None], new, causal_layout([11], 9))
         for i in range(9):
-            one, ofeat = b.target([None], new[:, i:i + 1], causal_layout([11 + i], 1))
+            one, _ = b.target([None], new[:, i:i + 1], causal_layout([11 + i], 1))
             assert torch.equal(one[0, 0], verify[0, i]), f"row {i}"
-            assert torch.equal(ofeat[0, 0], vfeat[0, i]), f"feature {i}"
     plain_spec = Eagle3Speculator(t).compile()
     for p in prompts(3, seed=5, V=160):
         assert spec.generate(p, 24, num_draft_tokens=3).token_ids == plain_spec.generate(p, 24).token_ids
