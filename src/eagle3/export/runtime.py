@@ -298,9 +298,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
             how = (f"is {self.meta['quantize']}-quantized: its int8 activations round differently"
                    if quantized else "runs XNNPACK's fp32 kernels, which round slightly differently")
             notice(f"{program_dir} {how} for 1 and K+1 tokens, so speculative output can differ from "
-                   "this program's plain decoding at near-ties"
-                   + ("; an fp32 program rarely does" if quantized else "")
-                   + "; the eager backend is bit-identical")
+                   "this program's plain decoding at near-ties; the eager backend is bit-identical")
         self.program_dir = program_dir
         super().__init__(ProgramTarget(self.meta), ProgramHead(self.meta) if speculate else None,
                          tokenizer, backend=ProgramBackend(self.methods, self.meta, speculate))

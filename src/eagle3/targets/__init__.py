@@ -20,7 +20,7 @@ from .config import NATIVE_FAMILIES, DecoderConfig, parse_decoder_config, read_c
 from .decoder import NativeTarget
 from .gguf import find_gguf
 from .hf import HFTarget
-from .named import MODELS, resolve_target
+from .named import MODELS, default_target_dir, resolve_target
 from .protocol import TapTarget, TargetConfig, default_taps, validate_taps
 
 __all__ = ["TARGETS", "TargetSpec", "TapTarget", "TargetConfig", "NativeTarget", "HFTarget",
@@ -164,8 +164,6 @@ def target_path(target: str) -> tuple[str, str | None]:
     """Where `target` (a checkpoint dir, a .gguf file or a directory holding one, a model name
     or 'default') lives: (path, its GGUF file or None), resolved as `load_target` does."""
     if target == "default":
-        from .named import default_target_dir
-
         target = default_target_dir()
     path = resolve_target(target)
     exists = os.path.exists(path) or path.endswith(".gguf")
@@ -173,8 +171,6 @@ def target_path(target: str) -> tuple[str, str | None]:
 
 
 def _load_default(path: str | None = None, **kw) -> TapTarget:
-    from .named import default_target_dir
-
     return load_target(default_target_dir(), **kw)
 
 
