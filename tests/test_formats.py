@@ -243,7 +243,7 @@ def test_shrunken_real_head_is_lossless(tmp_path, target, greedy, name):
     fmt, cfg, tensors = shrunken(name, embed=name == GEMMA4)
     path = write_raw(tmp_path / "head", cfg, tensors, fmt)
     spec = eagle3.load(target, path, taps=None if cfg.get("eagle_aux_hidden_state_layer_ids") else TAPS)
-    assert spec.target.tap_layers == tuple(cfg.get("eagle_aux_hidden_state_layer_ids") or TAPS)
+    assert spec.taps == tuple(cfg.get("eagle_aux_hidden_state_layer_ids") or TAPS)
     r = spec.generate(PROMPT, 12, num_draft_tokens=3)
     assert list(r.token_ids) == greedy and r.stats["draft_tokens"] > 0
 

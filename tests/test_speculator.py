@@ -65,7 +65,7 @@ def test_methods_match_the_underlying_models(dirs):
     prompt = torch.tensor([prompts(1, 3, 10, 11)[0]])  # (1, 10)
     n = prompt.shape[1]
     with torch.no_grad():
-        ref_logits, ref_taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache())
+        ref_logits, ref_taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
     spec.reset_caches()
     tok, feat = spec.prefill(prompt, torch.arange(n))
     assert tok.tolist() == [int(ref_logits[0, -1].argmax())]
@@ -77,7 +77,7 @@ def test_methods_match_the_underlying_models(dirs):
     vids, vfeat = spec.target_verify(new, torch.arange(n, n + 4))
     with torch.no_grad():
         full_logits, full_taps = t.forward_logits_taps(torch.cat([prompt, new], 1), torch.arange(n + 4),
-                                                       t.new_cache())
+                                                       t.new_cache(), taps=(1, 3, 5))
     assert vids.tolist() == full_logits[:, n:].argmax(-1).tolist()
     torch.testing.assert_close(vfeat, head.fuse(full_taps[:, n:]), atol=1e-5, rtol=1e-5)
 
@@ -94,7 +94,7 @@ def test_methods_match_the_underlying_models(dirs):
     nxt, f1 = spec.decode(tok.view(1, 1), torch.tensor([n]))
     with torch.no_grad():
         ref, _ = t.forward_logits_taps(torch.cat([prompt, tok.view(1, 1)], 1), torch.arange(n + 1),
-                                       t.new_cache())
+                                       t.new_cache(), with_taps=False)
     assert nxt.tolist() == [int(ref[0, -1].argmax())]
     assert f1.shape == (1, 1, head.config.hidden_size)
 
@@ -112,6 +112,29 @@ def test_alignment_contract(dirs):
         vids, vfeat = spec.target_verify(torch.tensor([greedy[:6]]), torch.arange(n, n + 6))
         assert vids[0].tolist() == greedy[1:7]
         assert vfeat.shape[1] == 6
+
+
+def test_heads_with_other_taps_share_one_target(dirs):
+    """Taps are the head's, passed to every forward: attaching a head leaves the target as it
+    was, and two speculators over one target each read their own layers."""
+    t = load_target(dirs["llama"], taps=(1, 2, 3))
+    before = t.tap_layers
+    a, b = random_head(t, taps=(1, 3, 5), scale=0.2), random_head(t, taps=(0, 2, 4), scale=0.2)
+    assert attach_head(a, t) == (1, 3, 5) and attach_head(b, t) == (0, 2, 4)
+    assert t.tap_layers == before
+    sa, sb = Eagle3Speculator(t, a), Eagle3Speculator(t, b)
+    prompt = torch.tensor([prompts(1, 5, 9, 10)[0]])
+    n = prompt.shape[1]
+    for spec, taps in ((sa, (1, 3, 5)), (sb, (0, 2, 4)), (sa, (1, 3, 5))):  # interleaved
+        spec.reset_caches()
+        _, feat = spec.prefill(prompt, torch.arange(n))
+        with torch.no_grad():
+            _, ref = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=taps)
+        torch.testing.assert_close(feat, spec.draft.fuse(ref))
+    greedy = plain_tokens(t, prompt[0].tolist(), 16)
+    assert sa.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy
+    assert sb.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy
+    assert t.tap_layers == before
 
 
 def test_cached_draft_chain_equals_stateless_recompute(dirs):

@@ -64,7 +64,7 @@ class Eagle3Speculator:
         self.draft = draft
         # The taps this head was attached with, passed to every forward: several
         # speculators may share one target.
-        self.taps = tuple(target.tap_layers) if draft is not None else None
+        self.taps = None if draft is None else (draft.tap_layers or tuple(target.tap_layers))
         self.tokenizer = tokenizer
         self._backend = backend
         self._warned_low_acceptance = False

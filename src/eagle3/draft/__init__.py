@@ -15,10 +15,12 @@ __all__ = ["DraftConfig", "Eagle3Draft", "FORMATS", "attach_head", "convert_head
 
 
 def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
-                taps=None) -> None:
-    """Check `head` fits `target`, set the target's taps, and share the target's embedding if needed.
+                taps=None) -> tuple[int, ...]:
+    """Check `head` fits `target`, resolve the head's taps and share the target's embedding if needed.
 
-    Taps: `taps` if given, else the head config's, else the target's default (2, L//2, L-3).
+    Taps: `taps` if given, else the head config's, else the target's default (2, L//2, L-3);
+    they are the head's (`head.tap_layers`, returned), and the target is left as it was, so
+    several heads may share one target.
     """
     cfg, tcfg = head.config, target.config
     if cfg.vocab_size != tcfg.vocab_size:
@@ -38,7 +40,7 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
     taps = validate_taps(taps or default_taps(tcfg.num_hidden_layers), tcfg.num_hidden_layers)
     if len(taps) != cfg.num_taps:
         raise Eagle3Error(f"{where}: fc takes {cfg.num_taps} taps but the config names {len(taps)}")
-    target.tap_layers = taps
+    head.tap_layers = taps
     if head.embed_tokens is None:
         table = target.embedding_weight
         if tuple(table.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -51,6 +53,7 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
     if head.embed_tokens.weight.dtype != head.dtype:
         raise Eagle3Error(f"{where}: embedding dtype {head.embed_tokens.weight.dtype} differs from the "
                           f"head's {head.dtype}; load target and head with the same dtype")
+    return taps
 
 
 @torch.no_grad()

@@ -94,6 +94,9 @@ class Eagle3Draft(nn.Module):
 
     def __init__(self, cfg: DraftConfig, max_len: int = 4096, with_embedding: bool = True) -> None:
         super().__init__()
+        # The target layers this head reads, as `draft.attach_head` resolved them (the config's
+        # until then); passed to every target forward, never set on a target.
+        self.tap_layers: tuple[int, ...] | None = tuple(cfg.taps) if cfg.taps else None
         H = cfg.hidden_size
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H) if with_embedding else None

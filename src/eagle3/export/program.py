@@ -42,9 +42,10 @@ EXTRA_METHODS = ("draft_step", "plain_decode")
 class SpeculatorProgram(nn.Module):
     """The target, the head and their export caches; its methods are what gets exported."""
 
-    def __init__(self, target: Any, draft: Any, max_seq_len: int) -> None:
+    def __init__(self, target: Any, draft: Any, taps: tuple[int, ...], max_seq_len: int) -> None:
         super().__init__()
         cfg, dcfg = target.config, draft.config
+        self.taps = tuple(taps)
         dtype = target.lm_head.weight.dtype
         self.target, self.draft = target, draft
         self.target_cache = ExportKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq_len,
@@ -52,12 +53,14 @@ class SpeculatorProgram(nn.Module):
         self.draft_cache = ExportKVCache(1, dcfg.num_key_value_heads, max_seq_len, dcfg.head_dim, dtype)
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache, last_only=True)
+        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                       last_only=True, taps=self.taps)
         return logits[:, -1].argmax(-1), self.draft.fuse(taps)
 
     def target_verify(self, tokens: torch.Tensor,
                       input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache)
+        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
+                                                       taps=self.taps)
         return logits.argmax(-1), self.draft.fuse(taps)
 
     def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor,
@@ -126,7 +129,7 @@ def export_methods(spec: Any, max_seq_len: int, max_draft_tokens: int) -> dict[s
     returns {name: ExportedProgram}."""
     from torch.export import Dim, export
 
-    program = SpeculatorProgram(spec.target, spec.draft, max_seq_len).eval()
+    program = SpeculatorProgram(spec.target, spec.draft, spec.taps, max_seq_len).eval()
     H = spec.draft.config.hidden_size
     T_prefill = Dim("T_prefill", min=2, max=max_seq_len)
     T_verify = Dim("T_verify", min=2, max=max_draft_tokens + 1)
@@ -225,7 +228,7 @@ def export_program(spec: Any, out_dir: str, *, max_seq_len: int | None = None,
         "max_draft_tokens": max_draft_tokens, "min_prefill_len": 2,
         "vocab_size": cfg.vocab_size, "hidden_size": spec.draft.config.hidden_size,
         "draft_vocab_size": spec.draft.config.draft_vocab_size,
-        "taps": list(spec.target.tap_layers), "d2t": spec.draft.d2t.tolist(),
+        "taps": list(spec.taps), "d2t": spec.draft.d2t.tolist(),
         "eos_token_ids": list(cfg.eos_token_ids), "quantize": quantize,
         "methods": [*CONTRACT_METHODS, *EXTRA_METHODS],
         "source": source or {},

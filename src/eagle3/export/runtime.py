@@ -71,6 +71,7 @@ class ProgramHead:
     def __init__(self, meta: dict[str, Any]) -> None:
         self.config = ProgramHeadConfig(meta["draft_vocab_size"])
         self.embed_tokens = True  # the program's head shares the target's table
+        self.tap_layers = tuple(meta["taps"])  # fixed inside the program
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
         return SlotBook(max_len)
