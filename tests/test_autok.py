@@ -17,7 +17,7 @@ from eagle3.bench.report import markdown
 from eagle3.cli.bench import parse_ks
 from eagle3.decoding.costs import AUTO_MAX_K, PRIOR_ACCEPT, Acceptance, RoundCosts, choose_plan
 from eagle3.decoding.types import Plan
-from eagle3.draft import attach_head
+from eagle3.draft import attach_head, save_head
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
@@ -137,6 +137,19 @@ def test_first_auto_generation_measures_the_cost_model(target):
     assert spec.calibrate() is spec.costs
     with pytest.raises(eagle3.Eagle3Error, match="'auto' or an integer"):
         spec.generate(PROMPTS[0], 4, num_draft_tokens="fast")
+
+
+def test_load_measures_the_cost_model_before_any_generation(target, tmp_path):
+    t = load_target(target)
+    save_head(forced_head(t, "full"), str(tmp_path / "head"), "speculators")
+    spec = eagle3.load(target, str(tmp_path / "head"))
+    costs = spec.costs
+    assert costs is not None and costs.seconds > 0
+    assert set(costs.cost_ratios()["verify_cost_ratio"]) == {str(m) for m in range(2, AUTO_MAX_K + 2)}
+    r = spec.generate(PROMPTS[0], 12, stop_token_ids=[])  # automatic K
+    assert spec.costs is costs, "a generation measured the cost model again"
+    assert r.token_ids == plain(t, PROMPTS[0], 12)
+    assert eagle3.load(target, "none").costs is None  # plain decoding needs no cost model
 
 
 def test_bench_auto_row(target):

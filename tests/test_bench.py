@@ -375,5 +375,6 @@ def test_cli_memory_report(dirs, tmp_path):
     files = sum(f.stat().st_size for d in (target, head) for f in Path(d).glob("*.safetensors")) / 2 ** 20
     assert 0.5 * files < row["weights_mb"] < 2.5 * files
     assert 0 < row["import_rss_mb"] <= row["peak_rss_mb"] and 0 < row["load_s"] < 60
+    assert 0 < row["calibrate_s"] < row["load_s"]  # with a head, load measures the cost model
     need = row["weights_mb"] + row["kv_cache_mb"]
     assert row["peak_over_need"] == pytest.approx(row["peak_rss_mb"] / need)

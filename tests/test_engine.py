@@ -299,6 +299,18 @@ def test_engine_refuses_unsupported_setups(tmp_path, bigram):
     for bad in (dict(max_batch=0), dict(num_draft_tokens=-1), dict(max_kv_tokens=0)):
         with pytest.raises(Eagle3Error):
             Engine(spec, EngineConfig(**bad))
+    # K is checked by the one function generate uses: the same bound, the same words (the
+    # engine also takes 0, "never draft").
+    for k in (33, 2.5, True, "fast"):
+        with pytest.raises(Eagle3Error) as by_generate:
+            spec.generate([1, 2], 4, num_draft_tokens=k)
+        with pytest.raises(Eagle3Error) as by_engine:
+            Engine(spec, EngineConfig(num_draft_tokens=k))
+        assert str(by_engine.value) == str(by_generate.value).replace("1..", "0..")
+    config = EngineConfig(num_draft_tokens="auto")
+    assert Engine(spec, config).automatic and config.num_draft_tokens == "auto"  # not mutated
+    assert Engine(spec, EngineConfig(num_draft_tokens=32)).kmax == 32
+    assert not Engine(spec, EngineConfig(num_draft_tokens=0)).speculate
 
 
 def test_page_pool_is_all_or_nothing():
@@ -417,7 +429,7 @@ def test_plain_rounds_catch_up_alone(bigram, monkeypatch):
 
 
 def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
-    from eagle3.decoding.costs import Acceptance, RoundCosts, fit_line
+    from eagle3.decoding.costs import Acceptance, RoundCosts, fit_line, probe_lengths
     from eagle3.decoding.tree import TreeShape
 
     flat = [10.0] * 13  # verifying more tokens costs nothing: speculation always pays
@@ -446,6 +458,10 @@ def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
     assert choose_plan(mild, acc2, 4, 2, observed=seen) == Plan()
     assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
     assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1
+    # Timed at a few lengths (calibration's probe_lengths), the line is given at every T.
+    at = probe_lengths(9, every=False)
+    assert at == [1, 2, 3, 5, 9] and probe_lengths(9, every=True) == list(range(1, 10))
+    assert fit_line([2 + 0.5 * t for t in at], at) == pytest.approx([2 + 0.5 * t for t in range(1, 10)])
 
 
 # -- one round for both paths: the engine equals generate -------------------------------------------

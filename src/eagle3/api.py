@@ -29,8 +29,10 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     taps: target layers feeding the head (default: the head config's ids, else
     (2, L//2, L-3)); tap k = hidden state entering layer k. compile: run the
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
-    native backend only). device: where the target and head run ('cpu' default, 'cuda',
-    'cuda:1', ...); every tensor the decoding round builds lives there too.
+    native backend only). With a head, the cost model automatic K uses is measured before
+    returning (`Eagle3Speculator.calibrate`, about a second). device: where the target and
+    head run ('cpu' default, 'cuda', 'cuda:1', ...); every tensor the decoding round builds
+    lives there too.
     quantize: the native target's weight format (`kernels.prepare_target`): None = float32
     through the row-invariant kernels (speculative output bit-identical to plain decoding);
     'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'gguf' (a
@@ -97,7 +99,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
                "decoding at near-ties; a float32 native target on the CPU (quantize None, fp32, "
                "bf16, int8, int4 or gguf) is bit-identical")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
-    return spec.compile() if compile else spec
+    if compile:
+        spec.compile()
+    if head is not None:  # the cost model for automatic K, never inside a timed generation
+        spec.calibrate()
+    return spec
 
 
 def inexact_reason(target: object, quantize: str | None, device: torch.device) -> str:
@@ -171,4 +177,7 @@ def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, pro
             tokenizer = load_tokenizer(target)
         except Eagle3Error:  # `target` only names a tokenizer here, and may name none
             tokenizer = None
-    return load_program(program, tokenizer, speculate=draft != "none")
+    spec = load_program(program, tokenizer, speculate=draft != "none")
+    if spec.draft is not None:
+        spec.calibrate()
+    return spec

@@ -172,14 +172,15 @@ class Eagle3Speculator:
         yield [Sequence("probe", [0], 1, frozenset())] if B == 1 else None
 
     def calibrate(self) -> RoundCosts:
-        """Measure the cost model on this machine and backend (about a second on a small model;
-        once per speculator, and again after `compile()`, which then also compiles every K's
-        chain); automatic K needs it. `generate` calls it before its clock starts when needed."""
+        """Measure the cost model on this machine and backend (`eagle3.load` does, for a head:
+        about a second on SmolLM2 here); automatic K needs it. Once per speculator, and again
+        after `compile()`, when it also compiles every K's chain and verify, so a generation
+        never compiles. A speculator built by hand and never calibrated measures it on its
+        first automatic generation, before that generation's clock starts."""
         if self.costs is None:
             max_T = self.max_auto_k + 1
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
-            self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context,
-                                            repeats=5)
+            self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context)
             if self.backend.fused_chain is not None and self.draft is not None:
                 self.backend.warm_chains(self.max_auto_k, context)  # no compiling inside a generation
         return self.costs
@@ -221,7 +222,7 @@ class Eagle3Speculator:
         `tree`: True for the default tree (`decoding.tree.DEFAULT_TREE`), a dict
         of top_k / depth / total_tokens for another shape, None/False for a chain.
         `num_draft_tokens` = K for chain drafting; None or 'auto' picks K (1..8)
-        from the cost model (`calibrate()`, run first if needed and not timed) and
+        from the cost model (`calibrate()`, which `eagle3.load` runs) and
         the acceptance seen so far, again every few rounds; when sampling, 'auto'
         is K = SAMPLING_K (4), so that a seed's output does not depend on timings.
         """

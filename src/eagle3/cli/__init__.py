@@ -1,5 +1,7 @@
 """The `eagle3` command line: one module per verb, shared argument helpers in `args`.
 
+(`eagle3 inspect` lives in `inspect_cmd`, so that no module is named like the standard library's.)
+
 Every verb has `--help`; user mistakes exit 2 with one line (`eagle3: error: ...`).
 """
 
@@ -9,9 +11,9 @@ import argparse
 import sys
 
 from ..errors import Eagle3Error
-from . import bench, chat, convert, export, generate, inspect, models, serve, train
+from . import bench, chat, convert, export, generate, inspect_cmd, models, serve, train
 
-VERBS = (generate, chat, models, inspect, convert, train, export, serve, bench)
+VERBS = (generate, chat, models, inspect_cmd, convert, train, export, serve, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

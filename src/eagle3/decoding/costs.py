@@ -81,16 +81,26 @@ class Acceptance:
         return (self.tree_tokens + prior * PRIOR_ROUNDS) / (self.tree_rounds + PRIOR_ROUNDS)
 
 
-def fit_line(ms: list[float]) -> list[float]:
-    """Timings at T = 1..n smoothed to a + b*T (Theil-Sen: median pairwise slope, b >= 0), so one
-    disturbed measurement on a busy machine cannot make a larger K look cheaper than a smaller one."""
-    n = len(ms)
-    if n < 2:
-        return list(ms)
-    slopes = [(ms[j] - ms[i]) / (j - i) for i in range(n) for j in range(i + 1, n)]
-    b = max(0.0, statistics.median(slopes))
-    a = max(statistics.median(m - b * t for t, m in enumerate(ms)), min(ms))  # never <= 0
+def fit_line(ms: list[float], at: list[int] | None = None, n: int | None = None) -> list[float]:
+    """Timings `ms` taken at T = `at` (default 1..len(ms)) smoothed to a + b*T and given at
+    T = 1..n (default max(at)). Theil-Sen (median pairwise slope, b >= 0), so one disturbed
+    measurement on a busy machine cannot make a larger K look cheaper than a smaller one."""
+    at = list(range(1, len(ms) + 1)) if at is None else at
+    n = max(at) if n is None else n
+    if len(ms) < 2:
+        return [ms[0]] * n
+    pairs = [(i, j) for i in range(len(ms)) for j in range(i + 1, len(ms))]
+    b = max(0.0, statistics.median((ms[j] - ms[i]) / (at[j] - at[i]) for i, j in pairs))
+    a = max(statistics.median(m - b * (t - 1) for t, m in zip(at, ms, strict=True)), min(ms))  # never <= 0
     return [a + b * t for t in range(n)]
+
+
+def probe_lengths(max_T: int, every: bool) -> list[int]:
+    """The tokens per row a calibration times: every T up to max_T (compiled steps, whose graphs
+    it also builds), else 1, 2, 3, the middle and max_T (the line through them is the model)."""
+    if every:
+        return list(range(1, max_T + 1))
+    return sorted({t for t in (1, 2, 3, (max_T + 1) // 2, max_T) if 1 <= t <= max_T})
 
 
 def probe_batch_sizes(max_batch: int) -> list[int]:
@@ -110,8 +120,9 @@ class RoundCosts:
     """Milliseconds of a backend's forwards per batch size B and tokens per row T (1..max_T)."""
 
     def __init__(self, verify: dict[int, list[float]], draft: dict[int, list[float]],
-                 plain: dict[int, float] | None = None, context: int = 0) -> None:
+                 plain: dict[int, float] | None = None, context: int = 0, seconds: float = 0.0) -> None:
         self.context = context  # the cache length the times were measured at
+        self.seconds = seconds  # how long measuring took
         self.verify = verify  # B -> [ms at T = 1 ..]
         self.draft = draft  # B -> [ms at T = 1 ..]
         self.plain = plain or {b: v[0] for b, v in verify.items()}  # B -> a plain step (no taps)
@@ -120,18 +131,20 @@ class RoundCosts:
     @torch.no_grad()
     def measure(cls, backend: Backend, rows: Rows, batch_sizes: list[int], max_T: int,
                 context: int, repeats: int = 3) -> RoundCosts:
-        """Time the forwards on `rows(B, positions)` (sequences `context` positions long):
-        interleaved medians, then a line in T per batch size (`fit_line`). Batch sizes whose
-        rows cannot be had (a full pool) are skipped."""
+        """Time the forwards on `rows(B, positions)` (sequences `context` positions long) at
+        the `probe_lengths`: interleaved medians, then a line in T per batch size (`fit_line`).
+        Batch sizes whose rows cannot be had (a full pool) are skipped."""
+        t0 = time.perf_counter()
+        lengths = probe_lengths(max_T, backend.fixed_shapes)
         verify: dict[int, list[float]] = {}
         draft: dict[int, list[float]] = {}
         plain: dict[int, float] = {}
         for B in batch_sizes:
             with rows(B, context + max_T + 1) as seqs:
                 if seqs is not None:
-                    verify[B], draft[B], plain[B] = _time_batch(backend, seqs, context, max_T,
+                    verify[B], draft[B], plain[B] = _time_batch(backend, seqs, context, lengths,
                                                                 repeats)
-        return cls(verify, draft, plain, context)
+        return cls(verify, draft, plain, context, time.perf_counter() - t0)
 
     @property
     def max_T(self) -> int:
@@ -225,12 +238,13 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     return best
 
 
-def _time_batch(backend: Backend, seqs: list[Sequence], context: int, max_T: int,
+def _time_batch(backend: Backend, seqs: list[Sequence], context: int, lengths: list[int],
                 repeats: int) -> tuple[list[float], list[float], float]:
-    """(verify ms per T, draft ms per T, plain step ms) for these rows at `context`."""
+    """(verify ms per T, draft ms per T, for T = 1..max(lengths); plain step ms) for these rows
+    at `context`, measured at T in `lengths`."""
     dev = backend.device
     B = len(seqs)
-    T_all = list(range(1, max_T + 1))
+    T_all = lengths
     tv: dict[int, list[float]] = {T: [] for T in T_all}
     td: dict[int, list[float]] = {T: [] for T in T_all}
     tp: list[float] = []
@@ -257,5 +271,5 @@ def _time_batch(backend: Backend, seqs: list[Sequence], context: int, max_T: int
             if rep:
                 tv[T].append((t1 - t0) * 1e3)
                 td[T].append((t2 - t1) * 1e3)
-    return (fit_line([statistics.median(tv[T]) for T in T_all]),
-            fit_line([statistics.median(td[T]) for T in T_all]), statistics.median(tp))
+    return (fit_line([statistics.median(tv[T]) for T in T_all], T_all),
+            fit_line([statistics.median(td[T]) for T in T_all], T_all), statistics.median(tp))

@@ -57,12 +57,14 @@ def check_stop_ids(stop_token_ids: Any, eos_token_ids: Any) -> frozenset[int]:
         raise Eagle3Error("stop_token_ids must be a list of integer token ids") from None
 
 
-def check_num_draft_tokens(k: Any) -> int | None:
-    """An int K in 1..MAX_NUM_DRAFT_TOKENS, or None for automatic ('auto' or None)."""
+def check_num_draft_tokens(k: Any, plain_ok: bool = False) -> int | None:
+    """An int K in 1..MAX_NUM_DRAFT_TOKENS (0 too with `plain_ok`: the engine's "no drafts"), or
+    None for automatic ('auto' or None)."""
     if k is None or k == "auto":
         return None
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_DRAFT_TOKENS:
-        raise Eagle3Error(f"num_draft_tokens must be 'auto' or an integer in 1..{MAX_NUM_DRAFT_TOKENS}, "
+    low = 0 if plain_ok else 1
+    if not isinstance(k, int) or isinstance(k, bool) or not low <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise Eagle3Error(f"num_draft_tokens must be 'auto' or an integer in {low}..{MAX_NUM_DRAFT_TOKENS}, "
                           f"got {k!r}")
     return k
 

@@ -174,38 +174,42 @@ def catch_up(backend: Backend, seqs: list[Sequence], alone_over: int | None = No
         _catch_up_rows(backend, rows)
 
 
+def backlog(rows: list[Sequence], width: int,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Each row's pending tokens (G, width) and features (G, width, H), padded to `width` by
+    repeating its last token and feature, and the real counts. The one packing every catch-up
+    uses; padding is never read first (attention is causal, later writes overwrite it)."""
+    counts = [len(s.pending_ids) for s in rows]
+    tokens = torch.tensor([s.pending_ids + s.pending_ids[-1:] * (width - n)
+                           for s, n in zip(rows, counts, strict=True)], device=device)
+    feats = []
+    for s, n in zip(rows, counts, strict=True):
+        f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
+        feats.append(torch.cat([f, f[-1:].expand(width - n, -1)]) if n < width else f)
+    return tokens, torch.stack(feats), counts
+
+
+def caught_up(rows: list[Sequence], roots: torch.Tensor, bounds: torch.Tensor, counts: list[int]) -> None:
+    """The draft has seen each row's backlog: its new root (Vd,) and boundary (H,)."""
+    for b, s in enumerate(rows):
+        s.root, s.boundary = roots[b], bounds[b]
+        s.draft_len += counts[b]
+        s.pending_ids, s.pending_feats = [], []
+
+
 def _catch_up_rows(backend: Backend, rows: list[Sequence]) -> None:
     """One batched draft forward over these rows' backlogs (padded to the longest). A row whose
     draft has seen nothing yet catches up its prompt: compiled backends run that call eagerly
     (one shape per prompt length)."""
     dev = backend.device
-    prompt = any(s.draft_len == 0 for s in rows)
-    counts = [len(s.pending_ids) for s in rows]
-    T = max(counts)
-    if len(rows) == 1:  # the common case (generate): no padding
-        s = rows[0]
-        tokens = torch.tensor([s.pending_ids], device=dev)
-        feats = (torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0])[None]
-        logits, h = backend.draft(rows, tokens, feats, causal_layout([s.draft_len], T, device=dev),
-                                  prompt=prompt)
-        roots, bounds = logits[:, -1], h[:, -1]
-    else:
-        tokens = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
-        padded = []
-        for b, s in enumerate(rows):
-            tokens[b, :counts[b]] = torch.tensor(s.pending_ids, device=dev)
-            f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
-            padded.append(torch.cat([f, f[-1:].expand(T - f.shape[0], -1)]) if f.shape[0] < T else f)
-        logits, h = backend.draft(rows, tokens, torch.stack(padded),
-                                  causal_layout([s.draft_len for s in rows], T, counts, dev),
-                                  prompt=prompt)
-        last = torch.tensor(counts, device=dev) - 1
-        idx = torch.arange(len(rows), device=dev)
-        roots, bounds = logits[idx, last], h[idx, last]  # (G, Vd), (G, H)
-    for b, s in enumerate(rows):
-        s.root, s.boundary = roots[b], bounds[b]
-        s.draft_len += counts[b]
-        s.pending_ids, s.pending_feats = [], []
+    T = max(len(s.pending_ids) for s in rows)
+    tokens, feats, counts = backlog(rows, T, dev)
+    valid = counts if len(rows) > 1 else None  # the common case (generate): no padding
+    logits, h = backend.draft(rows, tokens, feats, causal_layout([s.draft_len for s in rows], T, valid, dev),
+                              prompt=any(s.draft_len == 0 for s in rows))
+    last = torch.tensor(counts, device=dev) - 1
+    idx = torch.arange(len(rows), device=dev)
+    caught_up(rows, logits[idx, last], h[idx, last], counts)  # (G, Vd), (G, H)
 
 
 def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int]) -> Proposal:
@@ -240,17 +244,13 @@ def fusable(backend: Backend, plan: Plan, rows: list[Sequence]) -> bool:
 
 def propose_fused(backend: Backend, s: Sequence, plan: Plan, count: int) -> Proposal:
     """catch_up + a greedy chain of `count` drafts as one backend call. The catch-up runs over
-    a fixed plan.k + 1 rows (padding repeats the last token and feature), so a compiled
-    backend keeps one graph per K whatever the last round accepted."""
+    at least plan.k + 1 rows (`backlog`'s padding), so a compiled backend keeps one graph per K
+    whatever the last round accepted."""
     n = len(s.pending_ids)
-    R = max(n, min(plan.k + 1, backend.max_len - s.draft_len))
-    tokens = torch.tensor([s.pending_ids + s.pending_ids[-1:] * (R - n)], device=backend.device)
-    f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
-    if R > n:
-        f = torch.cat([f, f[-1:].expand(R - n, -1)])
-    drafts, s.root, s.boundary = backend.fused_chain(tokens, f[None], s.draft_len, n - 1, count)
-    s.draft_len += n
-    s.pending_ids, s.pending_feats = [], []
+    tokens, feats, counts = backlog([s], max(n, min(plan.k + 1, backend.max_len - s.draft_len)),
+                                    backend.device)
+    drafts, root, boundary = backend.fused_chain(tokens, feats, s.draft_len, n - 1, count)
+    caught_up([s], root[None], boundary[None], counts)
     return Proposal(*chain_proposal(drafts), q=[None], counts=[count], tree=False)
 
 

@@ -24,11 +24,11 @@ import time
 import traceback
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts, choose_plan, probe_batch_sizes
-from ..decoding.request import MAX_NUM_DRAFT_TOKENS, SAMPLING_K, check_generation
+from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
 from ..decoding.round import Sequence, prefill, run_round
 from ..decoding.sampling import Sampler
 from ..decoding.tree import TreeShape, parse_tree
@@ -67,7 +67,7 @@ class Engine:
 
     def __init__(self, spec: Any, config: EngineConfig | None = None) -> None:
         self.spec = spec
-        self.config = cfg = config or EngineConfig()
+        self.config = cfg = replace(config or EngineConfig())  # normalized below: a copy
         check_engine_target(spec)
         for name in ("max_batch", "max_queue", "page_size"):
             if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
@@ -75,11 +75,7 @@ class Engine:
         t = cfg.request_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise Eagle3Error(f"request_timeout_s must be a positive number of seconds or None, got {t!r}")
-        k = cfg.num_draft_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
-                              or not 0 <= k <= MAX_NUM_DRAFT_TOKENS):
-            raise Eagle3Error(f"num_draft_tokens must be an integer in 0..{MAX_NUM_DRAFT_TOKENS} or None "
-                              f"(auto), got {k!r}")
+        k = cfg.num_draft_tokens = check_num_draft_tokens(cfg.num_draft_tokens, plain_ok=True)
         self.tree: TreeShape | None = parse_tree(cfg.tree)
         if self.tree is not None and k is not None:
             raise Eagle3Error("num_draft_tokens fixes a chain; with a tree, leave it None")
