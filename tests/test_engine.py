@@ -456,6 +456,14 @@ def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
     for k in (1, 2):
         seen.record(4, Plan(k), actual_ms=30.0, predicted_ms=mild.round_ms(4, Plan(k)))
     assert choose_plan(mild, acc2, 4, 2, observed=seen) == Plan()
+    # An untried plan borrows the correction of the tried one nearest in verify length (so it
+    # cannot look cheaper by the host work only a run shows); plain decoding never borrows.
+    seen = Observed(weight=1.0)
+    seen.record(1, Plan(2), actual_ms=30.0, predicted_ms=10.0)
+    seen.record(1, Plan(6), actual_ms=20.0, predicted_ms=10.0)
+    assert seen.scale(1, Plan(3)) == 3.0 and seen.scale(1, Plan(5)) == 2.0
+    assert seen.scale(1, Plan(tree=TreeShape(2, 3, 6))) == 2.0 and seen.scale(1, Plan()) == 1.0
+    assert seen.scale(2, Plan(3)) == 1.0  # another batch size: nothing to borrow
     assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
     assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1
     # Timed at a few lengths (calibration's probe_lengths), the line is given at every T.

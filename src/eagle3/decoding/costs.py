@@ -176,8 +176,7 @@ class RoundCosts:
     def predicted_speedup(self, tau: float, plan: Plan, B: int = 1) -> float | None:
         """tau tokens per round of `plan` against plain decoding, by this model's times (None when
         the plan's verify size was not measured)."""
-        T = plan.tree.total_tokens + 1 if plan.tree is not None else plan.k + 1
-        if T > self.max_T:
+        if verify_len(plan) > self.max_T:
             return None
         return tau * self.round_ms(B, Plan()) / self.round_ms(B, plan)
 
@@ -212,8 +211,21 @@ class Observed:
         self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
 
     def scale(self, B: int, plan: Plan) -> float:
-        """The correction for this plan at this batch size (1 until it has run)."""
-        return self.ratio.get((B, plan), 1.0)
+        """The correction for this plan at this batch size. A drafting plan that has not run yet
+        borrows the correction of the drafting plan run at this size whose verify is nearest in
+        length (else 1): an untried plan would otherwise look cheaper than every tried one, by
+        the host work only a run shows, and be tried round after round."""
+        own = self.ratio.get((B, plan))
+        if own is not None or not plan.drafts:
+            return 1.0 if own is None else own
+        tried = [(abs(verify_len(p) - verify_len(plan)), r) for (b, p), r in self.ratio.items()
+                 if b == B and p.drafts]
+        return min(tried, key=lambda t: t[0])[1] if tried else 1.0
+
+
+def verify_len(plan: Plan) -> int:
+    """Tokens per row a round of `plan` verifies."""
+    return plan.tree.total_tokens + 1 if plan.tree is not None else plan.k + 1
 
 
 def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,

@@ -27,7 +27,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts, choose_plan, probe_batch_sizes
+from ..decoding.costs import (
+    AUTO_MAX_K,
+    REPICK_EVERY,
+    Acceptance,
+    Observed,
+    RoundCosts,
+    choose_plan,
+    probe_batch_sizes,
+)
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
 from ..decoding.round import Sequence, prefill, run_round
 from ..decoding.sampling import Sampler
@@ -91,6 +99,7 @@ class Engine:
         self.acceptance = Acceptance(max(self.kmax, 1))  # over all requests
         self.observed = Observed()  # measured round times against the cost model's
         self.costs: RoundCosts | None = None
+        self._held_plan: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Condition()
@@ -318,8 +327,16 @@ class Engine:
             return Plan(self.config.num_draft_tokens)
         if not self.automatic:
             return Plan(tree=self.tree)
-        return choose_plan(self.costs, self.acceptance, len(batch), self.kmax, self.tree,
-                           observed=self.observed)
+        # As in generate: a choice holds for REPICK_EVERY rounds at one batch size (a choice
+        # every round chases the noise in single rounds' timings).
+        B = len(batch)
+        held = self._held_plan
+        if held is not None and held[0] == B and held[2] < REPICK_EVERY:
+            self._held_plan = (B, held[1], held[2] + 1)
+            return held[1]
+        plan = choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed)
+        self._held_plan = (B, plan, 1)
+        return plan
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:
