@@ -150,6 +150,19 @@ def test_load_measures_the_cost_model_before_any_generation(target, tmp_path):
     assert spec.costs is costs, "a generation measured the cost model again"
     assert r.token_ids == plain(t, PROMPTS[0], 12)
     assert eagle3.load(target, "none").costs is None  # plain decoding needs no cost model
+    assert eagle3.load(target, str(tmp_path / "head"), calibrate=False).costs is None
+    # Eager calibration times the verify at five lengths and fits the line through them.
+    lazy = eagle3.load(target, str(tmp_path / "head"), calibrate=False)
+    seen, verify = set(), lazy.backend.target
+    lazy.backend.target = lambda seqs, tokens, layout, **kw: (seen.add(tokens.shape[1]),
+                                                              verify(seqs, tokens, layout, **kw))[1]
+    lazy.calibrate()
+    assert seen == {1, 2, 3, 5, 9}
+    # A context too short for K = 8 still calibrates, and automatic K still decodes exactly.
+    tiny = eagle3.load(target, str(tmp_path / "head"), max_seq_len=8)
+    assert tiny.costs.max_T == 5
+    r = tiny.generate(PROMPTS[0][:2], 6, stop_token_ids=[])
+    assert r.token_ids == plain(load_target(target, max_seq_len=8), PROMPTS[0][:2], 6)
 
 
 def test_bench_auto_row(target):

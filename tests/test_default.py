@@ -76,8 +76,6 @@ def test_smollm2_matches_transformers_gguf_loader(spec, oracle):
         # another order than transformers' matmuls (measured: one element of 17856 at 1.2e-4).
         torch.testing.assert_close(feats[..., i * 576:(i + 1) * 576], ref.hidden_states[k],
                                    atol=2e-4, rtol=1e-4)
-    if spec.draft is not None:
-        spec.target.tap_layers = spec.taps
     want = model.generate(x, max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)
     plain = spec.plain().generate(ids, 24)
     assert plain.token_ids == want[0, len(ids):].tolist()

@@ -9,6 +9,7 @@ position, and KV pools small enough that requests wait for pages.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -556,3 +557,27 @@ def test_engine_automatic_plan_may_pick_the_tree(bigram):
     engine.run_until_idle()
     assert [r.token_ids for r in reqs] == [plain(spec, p, 40, stop=[]) for p in ps]
     assert engine.costs is not None and set(engine.costs.verify) == {1, 2}
+
+
+def test_engine_holds_a_plan_for_repick_every_rounds(bigram, monkeypatch):
+    """As generate does, the engine re-chooses its plan every REPICK_EVERY rounds at one batch
+    size, and at once when the batch size changes (a choice each round chases timing noise)."""
+    import eagle3.engine.engine as engine_module
+    from eagle3.decoding.costs import REPICK_EVERY
+
+    spec = spec_for(bigram, "mixed")
+    engine = Engine(spec, EngineConfig(max_batch=2)).start(background=False)
+    chosen, sizes = [], []  # the batch size of each choice and of each round
+    real_choose, real_round = engine_module.choose_plan, engine_module.run_round
+    monkeypatch.setattr(engine_module, "choose_plan", lambda costs, acc, B, *a, **kw:
+                        chosen.append(B) or real_choose(costs, acc, B, *a, **kw))
+    monkeypatch.setattr(engine_module, "run_round", lambda backend, seqs, plan:
+                        sizes.append(len(seqs)) or real_round(backend, seqs, plan))
+    first = engine.submit(prompts(1, 4)[0], 60, stop_token_ids=[])
+    while engine.step():
+        if len(sizes) == REPICK_EVERY + 3:  # mid-hold: a second request changes the batch size
+            second = engine.submit(prompts(1, 5)[0], 30, stop_token_ids=[])
+    assert first.state == second.state == RequestState.FINISHED
+    runs = [(B, len(list(g))) for B, g in itertools.groupby(sizes)]
+    assert [B for B, _ in runs][:2] == [1, 2] and len(runs) >= 2
+    assert chosen == [B for B, n in runs for _ in range(-(-n // REPICK_EVERY))]

@@ -21,6 +21,7 @@ import eagle3
 from conftest import make_hf_model
 from eagle3.decoding.round import Plan, Sequence, catch_up, draft_chain, grant, prefill
 from eagle3.draft import attach_head, random_head, save_head
+from eagle3.engine import Engine, EngineConfig
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import bigram_table, forced_head, save_bigram_target
@@ -131,6 +132,8 @@ def test_heads_with_other_taps_share_one_target(dirs):
         with torch.no_grad():
             _, ref = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=taps)
         torch.testing.assert_close(feat, spec.draft.fuse(ref))
+    assert (sa.backend.taps, sb.backend.taps) == ((1, 3, 5), (0, 2, 4))
+    assert Engine(sb, EngineConfig(max_batch=1, num_draft_tokens=2)).backend.taps == (0, 2, 4)
     greedy = plain_tokens(t, prompt[0].tolist(), 16)
     assert sa.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy
     assert sb.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy

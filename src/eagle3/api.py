@@ -18,7 +18,8 @@ from .tokenizer import load_tokenizer
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
          backend: str = "auto", max_seq_len: int | None = None, taps=None,
          compile: bool = False, program: str | None = None,
-         device: str | torch.device | None = None, quantize: str | None = None) -> Eagle3Speculator:
+         device: str | torch.device | None = None, quantize: str | None = None,
+         calibrate: bool = True) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
     draft: a head directory; None (the default head for 'default', else no
@@ -29,8 +30,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     taps: target layers feeding the head (default: the head config's ids, else
     (2, L//2, L-3)); tap k = hidden state entering layer k. compile: run the
     decode / verify / draft steps through torch.compile (`Eagle3Speculator.compile`;
-    native backend only). With a head, the cost model automatic K uses is measured before
-    returning (`Eagle3Speculator.calibrate`, about a second). device: where the target and
+    native backend only; the calibration below then compiles every K's chain and verify:
+    minutes the first time, inductor's disk cache after). calibrate: with a head, measure
+    the cost model automatic K uses before returning (`Eagle3Speculator.calibrate`, about a
+    second eager); False leaves it to an explicit `calibrate()` (the engine measures its own,
+    so `eagle3 serve` and `export` skip it). device: where the target and
     head run ('cpu' default, 'cuda', 'cuda:1', ...); every tensor the decoding round builds
     lives there too.
     quantize: the native target's weight format (`kernels.prepare_target`): None = float32
@@ -53,7 +57,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
                               "(eagle3 export --quantize); drop quantize")
         if dev.type != "cpu":
             raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
-        return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program)
+        return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program,
+                             calibrate)
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")
     if compile and backend == "hf":
@@ -101,7 +106,7 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     if compile:
         spec.compile()
-    if head is not None:  # the cost model for automatic K, never inside a timed generation
+    if head is not None and calibrate:  # automatic K's cost model, never inside a timed generation
         spec.calibrate()
     return spec
 
@@ -152,7 +157,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program) -> Eagle3Speculator:
+def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program,
+                  calibrate) -> Eagle3Speculator:
     from .export.runtime import load_program
 
     if backend != "executorch":
@@ -178,6 +184,6 @@ def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, pro
         except Eagle3Error:  # `target` only names a tokenizer here, and may name none
             tokenizer = None
     spec = load_program(program, tokenizer, speculate=draft != "none")
-    if spec.draft is not None:
+    if spec.draft is not None and calibrate:
         spec.calibrate()
     return spec

@@ -39,7 +39,7 @@ from .decoding.sampling import Sampler
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
 from .decoding.types import Plan
 from .errors import Eagle3Error, notice
-from .targets.protocol import TapTarget
+from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
 
@@ -62,9 +62,13 @@ class Eagle3Speculator:
                               "(eagle3.draft.attach_head) so it shares the target's table")
         self.target = target
         self.draft = draft
-        # The taps this head was attached with, passed to every forward: several
-        # speculators may share one target.
-        self.taps = None if draft is None else (draft.tap_layers or tuple(target.tap_layers))
+        # The head's taps (`attach_head` resolves them; a head never attached has its config's,
+        # else the target's default), passed to every forward: several speculators may share
+        # one target.
+        self.taps = None
+        if draft is not None:
+            self.taps = validate_taps(draft.tap_layers or target.tap_layers,
+                                      target.config.num_hidden_layers)
         self.tokenizer = tokenizer
         self._backend = backend
         self._warned_low_acceptance = False
@@ -178,7 +182,7 @@ class Eagle3Speculator:
         never compiles. A speculator built by hand and never calibrated measures it on its
         first automatic generation, before that generation's clock starts."""
         if self.costs is None:
-            max_T = self.max_auto_k + 1
+            max_T = max(1, min(self.max_auto_k + 1, self.max_seq_len - 3))  # a tiny context: fewer
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
             self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context)
             if self.backend.fused_chain is not None and self.draft is not None:

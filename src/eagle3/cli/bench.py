@@ -464,7 +464,7 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
         torch.set_num_threads(args.threads)
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
                        max_seq_len=args.max_seq_len, taps=args.taps, device=args.device,
-                       quantize=args.quantize)
+                       quantize=args.quantize, calibrate=False)  # measured before any timing
     if spec.draft is None:
         raise Eagle3Error("--concurrency compares speculation off vs on: it needs a draft head (--draft DIR)")
     trees = parse_trees(args.tree) if k is None else []  # a fixed K measures chains only

@@ -25,7 +25,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.device not in (None, "cpu"):
         raise Eagle3Error("export lowers for the CPU (XNNPACK); drop --device")
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend="native",
-                       max_seq_len=args.max_seq_len, taps=args.taps, quantize="none")
+                       max_seq_len=args.max_seq_len, taps=args.taps, quantize="none", calibrate=False)
     tdir = os.path.dirname(spec.tokenizer.path) if spec.tokenizer is not None else None
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"eagle3: {msg}", file=sys.stderr))
     export_program(spec, args.out, max_seq_len=args.max_seq_len,

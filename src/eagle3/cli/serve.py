@@ -69,7 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                else os.path.basename(os.path.normpath(args.target)))
     spec = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=args.backend,
                        quantize=args.quantize,
-                       max_seq_len=args.max_seq_len, device=args.device)
+                       max_seq_len=args.max_seq_len, device=args.device,
+                       calibrate=False)  # the engine measures its own batch costs
     k = None if args.num_draft_tokens in (None, "auto") else args.num_draft_tokens
     tree = decoding_kwargs(args, sampling=False)["tree"]
     if tree is not None and k is not None:

@@ -237,7 +237,8 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     rounds ran slower than predicted loses its edge, and plain decoding (corrected or not)
     is then picked wherever speculation no longer pays."""
     kmax = min(kmax, costs.max_T - 1)
-    candidates = [Plan(k) for k in range(max(min_k, 0), kmax + 1)]
+    # (or min_k alone: a context too short to time min_k + 1 tokens)
+    candidates = [Plan(k) for k in range(max(min_k, 0), kmax + 1)] or [Plan(max(min_k, 0))]
     if tree is not None and tree.total_tokens + 1 <= costs.max_T:
         candidates.append(Plan(tree=tree))
     best, best_rate = candidates[0], -1.0

@@ -36,7 +36,7 @@ def default_taps(num_layers: int) -> tuple[int, int, int]:
     if not (0 <= taps[0] < taps[1] < taps[2] <= num_layers):
         raise Eagle3Error(f"the default taps (2, L//2, L-3) = {taps} are not distinct and ascending "
                           f"for a {num_layers}-layer target; choose taps explicitly "
-                          "(e.g. --taps 1,2,3 or target.tap_layers = (...))")
+                          "(e.g. --taps 1,2,3, or taps=(1, 2, 3) in eagle3.load / attach_head)")
     return taps
 
 
