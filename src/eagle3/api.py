@@ -33,8 +33,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     native backend only; the calibration below then compiles every K's chain and verify:
     minutes the first time, inductor's disk cache after). calibrate: with a head, measure
     the cost model automatic K uses before returning (`Eagle3Speculator.calibrate`, about a
-    second eager); False leaves it to an explicit `calibrate()` (the engine measures its own,
-    so `eagle3 serve` and `export` skip it). device: where the target and
+    second eager); False leaves it to `calibrate()` or the first automatic generation (the
+    engine measures its own, so `eagle3 serve` and `export` skip it). device: where the target and
     head run ('cpu' default, 'cuda', 'cuda:1', ...); every tensor the decoding round builds
     lives there too.
     quantize: the native target's weight format (`kernels.prepare_target`): None = float32
