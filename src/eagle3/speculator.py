@@ -67,8 +67,10 @@ class Eagle3Speculator:
         # one target.
         self.taps = None
         if draft is not None:
-            self.taps = validate_taps(draft.tap_layers or target.tap_layers,
-                                      target.config.num_hidden_layers)
+            self.taps = tuple(draft.tap_layers or target.tap_layers)
+            layers = getattr(target.config, "num_hidden_layers", None)  # None: a program's stand-in
+            if layers is not None:
+                self.taps = validate_taps(self.taps, layers)
         self.tokenizer = tokenizer
         self._backend = backend
         self._warned_low_acceptance = False
