@@ -57,8 +57,8 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
                               "(eagle3 export --quantize); drop quantize")
         if dev.type != "cpu":
             raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
-        return _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program,
-                             calibrate)
+        return calibrated(_load_program(target, draft, dtype, backend, max_seq_len, taps, compile,
+                                        program), calibrate)
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")
     if compile and backend == "hf":
@@ -104,9 +104,13 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
                "decoding at near-ties; a float32 native target on the CPU (quantize None, fp32, "
                "bf16, int8, int4 or gguf) is bit-identical")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
-    if compile:
-        spec.compile()
-    if head is not None and calibrate:  # automatic K's cost model, never inside a timed generation
+    return calibrated(spec.compile() if compile else spec, calibrate)
+
+
+def calibrated(spec: Eagle3Speculator, calibrate: bool) -> Eagle3Speculator:
+    """`spec` with automatic K's cost model measured when it has a head and `calibrate` is set:
+    at load, never inside a timed generation."""
+    if spec.draft is not None and calibrate:
         spec.calibrate()
     return spec
 
@@ -157,8 +161,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program,
-                  calibrate) -> Eagle3Speculator:
+def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, program) -> Eagle3Speculator:
     from .export.runtime import load_program
 
     if backend != "executorch":
@@ -183,7 +186,4 @@ def _load_program(target, draft, dtype, backend, max_seq_len, taps, compile, pro
             tokenizer = load_tokenizer(target)
         except Eagle3Error:  # `target` only names a tokenizer here, and may name none
             tokenizer = None
-    spec = load_program(program, tokenizer, speculate=draft != "none")
-    if spec.draft is not None and calibrate:
-        spec.calibrate()
-    return spec
+    return load_program(program, tokenizer, speculate=draft != "none")

@@ -81,12 +81,12 @@ class Acceptance:
         return (self.tree_tokens + prior * PRIOR_ROUNDS) / (self.tree_rounds + PRIOR_ROUNDS)
 
 
-def fit_line(ms: list[float], at: list[int] | None = None, n: int | None = None) -> list[float]:
+def fit_line(ms: list[float], at: list[int] | None = None) -> list[float]:
     """Timings `ms` taken at T = `at` (default 1..len(ms)) smoothed to a + b*T and given at
-    T = 1..n (default max(at)). Theil-Sen (median pairwise slope, b >= 0), so one disturbed
+    every T = 1..max(at). Theil-Sen (median pairwise slope, b >= 0), so one disturbed
     measurement on a busy machine cannot make a larger K look cheaper than a smaller one."""
     at = list(range(1, len(ms) + 1)) if at is None else at
-    n = max(at) if n is None else n
+    n = max(at)
     if len(ms) < 2:
         return [ms[0]] * n
     pairs = [(i, j) for i in range(len(ms)) for j in range(i + 1, len(ms))]
