@@ -28,7 +28,7 @@ MESSAGES = [[{"role": "user", "content": "Write a haiku about the sea."}],
 @pytest.fixture(scope="module")
 def spec():
     draft = str(HEAD) if (HEAD / "config.json").is_file() else "none"
-    return eagle3.load("smollm2-135m-instruct", draft, max_seq_len=1024)
+    return eagle3.load("smollm2-135m-instruct", draft, max_seq_len=1024, quantize="fp32")  # the oracle's
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ rows bitwise, and speculative output == plain output in every format.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -24,18 +26,41 @@ from eagle3.errors import Eagle3Error
 from eagle3.kernels import (
     FORMATS,
     QLinear,
+    exact_linear,
+    isa,
+    isa_paths,
     kernel_available,
     kernel_status,
-    pack_int4,
+    pack_codes,
     parse_quantize,
     quantize_model,
-    unpack_int4,
+    unpack_codes,
+    use_isa,
 )
 from eagle3.kv import masked_attention
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason=f"kernels unavailable: {kernel_status()}")
-GROUPS = {"float32": [None], "bfloat16": [None], "int8": [None, 32, 64], "int4": [32, 64]}
-CASES = [(f, g) for f in FORMATS for g in GROUPS[f]]
+GROUPS = {"float32": [None], "bfloat16": [None], "int8": [32, 64], "int4": [32, 64]}
+CASES = [(f, g) for f in FORMATS for g in GROUPS[f]] + [("q4_0", 32)]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+PATHS = isa_paths()
+
+
+def test_kernels_build_on_every_x86_cpu():
+    """A kernel this CPU can run but that does not build is a failure, never a skip: on x86-64
+    the kernels build, and the scalar and AVX2 paths run wherever the CPU has them."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if not X86:
+        assert not kernel_available() and "x86-64" in kernel_status()
+        return
+    assert kernel_available(), kernel_status()
+    assert "scalar" in PATHS and isa() in PATHS
+    want = ["scalar"]
+    if all(f in flags.split() for f in ("avx2", "fma", "f16c")):
+        want.append("avx2")
+    if all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")):
+        want.append("avx512")
+    assert sorted(PATHS) == sorted(want)
+    assert isa() == want[-1]  # the best one by default
 
 
 def linear(N: int, K: int, seed: int = 0, bias: bool = False) -> torch.nn.Linear:
@@ -46,74 +71,107 @@ def linear(N: int, K: int, seed: int = 0, bias: bool = False) -> torch.nn.Linear
     return lin
 
 
-def formula(q: QLinear, x: torch.Tensor) -> torch.Tensor:
-    """The format's definition in float64, from the stored codes (bf16 activations when packed)."""
+def make_layer(fmt: str, lin: torch.nn.Linear, group: int | None) -> QLinear:
+    if fmt != "q4_0":
+        return QLinear.quantize(lin, fmt, group)
+    w = lin.weight.detach()  # Q4_0: symmetric codes 0..15 around 8, no offsets
+    d = (w.reshape(w.shape[0], -1, 32).abs().amax(-1) / 8).half().float()
+    codes = torch.round(w.reshape(w.shape[0], -1, 32) / d[..., None] + 8).clamp(0, 15)
+    b = None if lin.bias is None else lin.bias.detach()
+    return QLinear.from_codes("int4", codes.reshape(w.shape).to(torch.uint8), d, None, bias=b)
+
+
+def int_reference(q: QLinear, x: torch.Tensor) -> torch.Tensor:
+    """The packed formats' arithmetic, written here from the GGUF definitions: each row of x
+    quantized per block of 32 to int8 (scale amax/127, round half to even), exact integer
+    block sums, then fp32 per block in order: acc += (d * xd) * isum [+ m * (xd * xs)]."""
     N, K = q.out_features, q.in_features
-    if q.fmt == "float32":
-        w, xa = q.w.double(), x.double()
-    else:
-        xa = x.to(torch.bfloat16).double()
-        if q.fmt == "int4":
-            codes = unpack_int4(q.w, N, K).double()
-        else:
-            raw = q.w.view(torch.bfloat16) if q.fmt == "bfloat16" else q.w
-            # tile order (N/16, K/32, 16 rows, 16 columns, 2) -> (N, K), undone by hand
-            codes = raw.reshape(N // 16, K // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(N, K).double()
-        if q.fmt == "bfloat16":
-            w = codes
-        else:
-            G = q.group
-            w = codes.reshape(N, K // G, G) * q.scale.t().double()[..., None]
-            if q.fmt == "int4":
-                w = w + q.offset.t().double()[..., None]
-            w = w.reshape(N, K)
-    y = xa @ w.t()
+    nb = K // 32
+    w = q.codes().long().reshape(N, nb, 32)
+    d = q.scale.float().permute(0, 2, 1).reshape(N, nb)  # (N/16, nb, 16) -> (N, nb)
+    m = q.offset.float().permute(0, 2, 1).reshape(N, nb) if q.offset.numel() else None
+    zp = 8 if q.fmt == "int4" and m is None else 0
+    y = torch.zeros(x.shape[0], N)
+    for r in range(x.shape[0]):
+        xb = x[r].reshape(nb, 32)
+        xd = xb.abs().amax(-1) / torch.tensor(127.0)
+        inv = torch.where(xd > 0, torch.tensor(1.0) / xd, torch.tensor(0.0))
+        xq = torch.round(xb * inv[:, None]).clamp(-127, 127).long()  # (nb, 32)
+        xs = xq.sum(-1)
+        isum = (w * xq[None]).sum(-1) - zp * xs[None]  # (N, nb) int64, exact
+        acc = torch.zeros(N)
+        for b in range(nb):
+            acc = acc + (d[:, b] * xd[b]) * isum[:, b].float()
+            if m is not None:
+                acc = acc + m[:, b] * (xd[b] * xs[b].float())
+        y[r] = acc
+    return y + q.bias if q.bias is not None else y
+
+
+def float_reference(q: QLinear, x: torch.Tensor) -> torch.Tensor:
+    """Float formats in float64 (the kernels sum in 16 lanes: equal to rounding)."""
+    y = x.double() @ q.w.double().t()
     return y + q.bias.double() if q.bias is not None else y
 
 
-@needs_kernel
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt,group", CASES)
-def test_kernel_computes_the_format_formula(fmt, group):
+def test_every_path_computes_the_format_exactly(fmt, group, path):
+    """Packed formats: every instruction-set path equals the integer reference bit for bit
+    (and so each other); float formats: close to float64, and every path equal to scalar."""
     lin = linear(48, 192, bias=True)
-    q = QLinear.quantize(lin, fmt, group)
-    x = torch.randn(7, 192)
-    torch.testing.assert_close(q(x).double(), formula(q, x), rtol=1e-5, atol=2e-5)
+    q = make_layer(fmt, lin, group)
+    x = torch.randn(7, 192, generator=torch.Generator().manual_seed(5))
+    with use_isa(path):
+        y = q(x)
+    with use_isa("scalar"):
+        assert torch.equal(y, q(x))
+    if q.fmt in ("int8", "int4"):
+        assert torch.equal(y, int_reference(q, x))
+        assert torch.equal(exact_linear(q, x) + q.bias, y)  # the package's own PyTorch reference
+    else:
+        torch.testing.assert_close(y.double(), float_reference(q, x), rtol=1e-5, atol=2e-5)
     # and the format is close to the float32 layer it came from (quantization error only)
-    tol = {"float32": 1e-5, "bfloat16": 0.02, "int8": 0.03, "int4": 0.25}[fmt]
-    assert (q(x) - lin(x)).abs().max().item() < tol
+    tol = {"float32": 1e-5, "bfloat16": 0.02, "int8": 0.04, "int4": 0.3, "q4_0": 0.5}[fmt]
+    assert (y - lin(x)).abs().max().item() < tol
 
 
-@needs_kernel
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt,group", CASES)
-def test_rows_do_not_depend_on_the_batch_or_threads(fmt, group):
-    q = QLinear.quantize(linear(64, 128, seed=1), fmt, group)
-    x = torch.randn(21, 128)  # > 16 rows: two AMX row tiles, the second partial
-    full = q(x)
-    for i in range(21):
-        assert torch.equal(q(x[i:i + 1]), full[i:i + 1]), f"row {i} alone differs"
-    for a, b in ((0, 5), (3, 19), (16, 21)):
-        assert torch.equal(q(x[a:b]), full[a:b])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2 if threads == 1 else 1)
-        assert torch.equal(q(x), full)
-    finally:
-        torch.set_num_threads(threads)
+def test_rows_do_not_depend_on_the_batch_or_threads(fmt, group, path):
+    q = make_layer(fmt, linear(64, 128, seed=1), group)
+    x = torch.randn(21, 128)  # more rows than any register tile, the last one partial
+    with use_isa(path):
+        full = q(x)
+        for i in range(21):
+            assert torch.equal(q(x[i:i + 1]), full[i:i + 1]), f"row {i} alone differs"
+        for a, b in ((0, 5), (3, 19), (16, 21)):
+            assert torch.equal(q(x[a:b]), full[a:b])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2 if threads == 1 else 1)
+            assert torch.equal(q(x), full)
+        finally:
+            torch.set_num_threads(threads)
 
 
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1))
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31 - 1), st.sampled_from(["int8", "int4"]))
 @settings(max_examples=25, deadline=None)
-def test_int4_packing_round_trips(nb, kb, seed):
+def test_packing_round_trips(nb, kb, seed, fmt):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (16 * nb, 32 * kb), generator=g, dtype=torch.uint8)
-    assert torch.equal(unpack_int4(pack_int4(codes), 16 * nb, 32 * kb), codes)
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (16 * nb, 32 * kb), generator=g, dtype=torch.uint8)
+    else:
+        codes = torch.randint(-128, 128, (16 * nb, 32 * kb), generator=g).to(torch.int8)
+    assert torch.equal(unpack_codes(pack_codes(codes, fmt), 16 * nb, 32 * kb, fmt), codes)
 
 
-@needs_kernel
-def test_float32_takes_any_shape_and_packed_formats_fall_back_to_it():
+def test_float_formats_take_any_shape_and_packed_formats_fall_back_to_float32():
     q = QLinear.quantize(linear(20, 40), "float32")  # K not a multiple of 16 or 32
     x = torch.randn(3, 40)
-    torch.testing.assert_close(q(x).double(), formula(q, x), rtol=1e-6, atol=1e-6)
+    for path in PATHS:
+        with use_isa(path):
+            torch.testing.assert_close(q(x).double(), float_reference(q, x), rtol=1e-6, atol=1e-6)
     with pytest.raises(Eagle3Error, match="divisible by 32"):
         QLinear.quantize(linear(32, 40), "int4")
     model = torch.nn.Sequential(linear(32, 64), linear(20, 32))
@@ -122,11 +180,39 @@ def test_float32_takes_any_shape_and_packed_formats_fall_back_to_it():
     assert [m.fmt for m in model] == ["int4", "float32"]
 
 
+def test_bad_input_to_the_kernel_is_one_line():
+    q = QLinear.quantize(linear(32, 64), "int4")
+    op = torch.ops.eagle3.wlinear
+    bad = [((torch.randn(2, 64).double(), q.w, q.scale, q.offset, 3, 32, 32), "float32"),
+           ((torch.randn(2, 64), q.w[:-1], q.scale, q.offset, 3, 32, 32), "bytes"),
+           ((torch.randn(2, 64), q.w, q.scale.float(), q.offset, 3, 32, 32), "float16"),
+           ((torch.randn(2, 64), q.w, q.scale, q.offset, 3, 64, 32), "block of 32"),
+           ((torch.randn(2, 64), q.w, q.scale, q.offset, 9, 32, 32), "unknown weight format"),
+           ((torch.randn(2, 40), q.w, q.scale, q.offset, 3, 32, 32), "multiple of 32")]
+    for args, what in bad:
+        with pytest.raises(RuntimeError, match=what):
+            op(*args)
+    with pytest.raises(RuntimeError, match="unknown path"):
+        torch.ops.eagle3.set_isa("sse9")
+
+
+def test_isa_env_forces_a_path_and_names_it(llama_dir):
+    code = "import eagle3.kernels as k; print(k.isa())"
+    for path in PATHS:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "EAGLE3_ISA": path})
+        assert p.returncode == 0 and p.stdout.strip() == path, p.stderr
+    p = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--target", llama_dir, "--draft", "none",
+                        "--prompt-ids", "1,2"],
+                       capture_output=True, text=True, env={**os.environ, "EAGLE3_ISA": "sse9"})
+    assert p.returncode == 2 and "EAGLE3_ISA" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_quantize_names():
     assert parse_quantize(None) is None and parse_quantize("none") is None
     assert parse_quantize("int4") == ("int4", 32)
     assert parse_quantize("int4-g64") == ("int4", 64)
-    assert parse_quantize("int8") == ("int8", None)
+    assert parse_quantize("int8") == ("int8", 32)
     assert parse_quantize("bf16") == ("bfloat16", None)
     for bad in ("int3", "int4-g48", "bf16-g32", "int4-gx", "int4-g16"):
         with pytest.raises(Eagle3Error, match="quantize"):
@@ -135,9 +221,22 @@ def test_quantize_names():
 
 # -- attention ------------------------------------------------------------------------------
 
-@needs_kernel
 @pytest.mark.parametrize("hd,softcap", [(64, None), (24, None), (16, 5.0)])
-def test_attention_rows_are_independent_of_the_call(hd, softcap):
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_rows_are_independent_of_the_call(hd, softcap, path):
+    with use_isa(path):
+        check_attention_rows(hd, softcap)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 3, hd)
+    k, v = torch.randn(1, 2, 20, hd), torch.randn(1, 2, 20, hd)
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    with use_isa(path):
+        out = masked_attention(q, k, v, mask, 0.3, softcap, exact=True)
+    with use_isa("scalar"):
+        assert torch.equal(out, masked_attention(q, k, v, mask, 0.3, softcap, exact=True))
+
+
+def check_attention_rows(hd, softcap):
     torch.manual_seed(0)
     S, T = 37, 6
     q = torch.randn(1, 4, T, hd)
@@ -159,6 +258,58 @@ def test_attention_rows_are_independent_of_the_call(hd, softcap):
     assert torch.equal(row0, out[:, :1])
 
 
+# -- the fused elementwise steps (norm, RoPE, SwiGLU) ----------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_steps_match_pytorch_and_every_path(path):
+    """rms_norm and silu_mul equal PyTorch's formulas to rounding; rope_ equals PyTorch's
+    `x * cos + rotate_half(x) * sin` bit for bit; every path equals the scalar one; each row
+    alone gives the bits it gives in a batch."""
+    import torch.nn.functional as F
+
+    from eagle3.targets.decoder import rotate_half
+
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(6, 200, generator=g), torch.randn(200, generator=g)  # H not a multiple of 16
+    gu = torch.randn(5, 2 * 72, generator=g) * 6
+    q = torch.randn(2, 4, 3, 40, generator=g)  # (B, T, heads, hd)
+    cos, sin = torch.randn(4, 40, generator=g), torch.randn(4, 40, generator=g)
+    runs = {}
+    for p in (path, "scalar"):
+        with use_isa(p):
+            qr = q.clone()
+            torch.ops.eagle3.rope_(qr, cos, sin)
+            ops = torch.ops.eagle3
+            runs[p] = (ops.rms_norm(x, w, 1e-6, False), ops.rms_norm(x, w, 1e-6, True), ops.silu_mul(gu), qr)
+            for i in range(6):
+                assert torch.equal(torch.ops.eagle3.rms_norm(x[i:i + 1], w, 1e-6, False), runs[p][0][i:i + 1])
+            for i in range(5):
+                assert torch.equal(torch.ops.eagle3.silu_mul(gu[i:i + 1]), runs[p][2][i:i + 1])
+    for a, b in zip(runs[path], runs["scalar"]):
+        assert torch.equal(a, b)
+    norm, gemma_norm, silu, rope = runs[path]
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm, w * h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemma_norm, h * (1 + w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(silu, F.silu(gu[:, :72]) * gu[:, 72:], rtol=1e-5, atol=1e-5)
+    qt = q.transpose(1, 2)
+    assert torch.equal(rope.transpose(1, 2), qt * cos + rotate_half(qt) * sin)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.eagle3.rms_norm(x.double(), w, 1e-6, False)
+
+
+def test_fused_steps_stay_out_of_autograd_and_compilation():
+    """Training (gradients) takes PyTorch's own ops: the fused kernels have no backward."""
+    from eagle3.kernels import fused_step_ok
+
+    a = torch.randn(3, 8)
+    assert fused_step_ok(a)
+    assert not fused_step_ok(a.requires_grad_())
+    with torch.no_grad():
+        assert fused_step_ok(a)
+    assert not fused_step_ok(torch.randn(3, 8).double())
+
+
 # -- whole targets -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -168,7 +319,6 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-@needs_kernel
 @pytest.mark.parametrize("quantize", [None, "bf16", "int8", "int4"])
 def test_verify_rows_equal_decode_rows_bitwise(llama_dir, quantize):
     assert_verify_rows_equal_decode_rows(eagle3.load(llama_dir, "none", quantize=quantize).target)
@@ -208,7 +358,6 @@ def assert_verify_rows_equal_decode_rows(t) -> None:
             assert torch.equal(one[0, 0], tv[0, j]), f"tree node {j}"
 
 
-@needs_kernel
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_speculative_equals_plain_in_each_format(llama_dir, quantize):
     from eagle3.draft import attach_head, random_head
@@ -241,7 +390,6 @@ def test_cli_quantize_errors(llama_dir):
     assert hf.returncode == 2 and "native backend" in hf.stderr
 
 
-@needs_kernel
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_engine_batches_in_a_format_equal_single_requests(llama_dir, quantize):
     """The engine's ragged batches (paged cache, per-row masks) on the kernels: every request
@@ -265,7 +413,6 @@ def test_engine_batches_in_a_format_equal_single_requests(llama_dir, quantize):
     assert engine.metrics()["kv_used_tokens"] == 0
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
     """quantize='gguf': each layer holds the file's own codes (its dequantized weight equals
@@ -304,7 +451,6 @@ def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
     assert s.generate(prompt, 30, tree=True).token_ids == want
 
 
-@needs_kernel
 def test_auto_format_is_the_files_own_for_quantized_gguf(tmp_path, llama_dir):
     """quantize='auto' (the CLI's default): a GGUF stored quantized runs its own codes, a float
     GGUF and a safetensors checkpoint run float32; `eagle3 generate` with no --quantize gives
@@ -320,7 +466,8 @@ def test_auto_format_is_the_files_own_for_quantized_gguf(tmp_path, llama_dir):
     assert eagle3.load(q8, "none", quantize="auto").target.weight_format == "gguf"
     assert eagle3.load(f32, "none", quantize="auto").target.weight_format == "float32"
     assert eagle3.load(llama_dir, "none", quantize="auto").target.weight_format == "float32"
-    assert eagle3.load(q8, "none").target.weight_format == "float32"  # the API's default: fp32
+    assert eagle3.load(q8, "none").target.weight_format == "gguf"  # the API's default is auto too
+    assert eagle3.load(q8, "none", quantize=None).target.weight_format == "float32"
     assert eagle3.load(q8, "none", quantize="auto", dtype="bfloat16").target.weight_format is None
     want = eagle3.load(q8, "none", quantize="gguf").generate([3, 14, 15, 92], 12, stop_token_ids=[]).token_ids
     p = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--target", q8, "--draft", "none",
@@ -330,7 +477,6 @@ def test_auto_format_is_the_files_own_for_quantized_gguf(tmp_path, llama_dir):
     assert json.loads(p.stdout)["token_ids"] == want
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_gguf_codes_only_load_equals_the_dequantizing_load(qtype, tmp_path):
     """quantize='gguf' loads the file's block-coded layers without dequantizing them (memory-free
@@ -382,7 +528,6 @@ def test_codes_only_names_takes_whole_layers_in_one_block_type():
                                        L + "mlp.up_proj.weight", "lm_head.weight"}
 
 
-@needs_kernel
 @pytest.mark.parametrize("kw,reason", [({}, None), ({"quantize": "int4"}, None),
                                        ({"quantize": "none"}, "quantize='none'"),
                                        ({"dtype": "bfloat16"}, "dtype bfloat16")])

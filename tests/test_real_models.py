@@ -22,7 +22,7 @@ def test_gemma3_270m_matches_transformers():
     logging.set_verbosity_error()
     path = model_path("gemma-3-270m")
     folder, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-    spec = eagle3.load("gemma-3-270m", max_seq_len=1024)
+    spec = eagle3.load("gemma-3-270m", max_seq_len=1024, quantize="fp32")  # the oracle's arithmetic
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
     hf_tok = AutoTokenizer.from_pretrained(folder, **kw)
     text = "The Eiffel Tower is in Paris. Ünïcödé, emoji 🙂 and\tcode: def f(x): return x**2\n"

@@ -18,7 +18,7 @@ from .tokenizer import load_tokenizer
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
          backend: str = "auto", max_seq_len: int | None = None, taps=None,
          compile: bool = False, program: str | None = None,
-         device: str | torch.device | None = None, quantize: str | None = None,
+         device: str | torch.device | None = None, quantize: str | None = "auto",
          calibrate: bool = True) -> Eagle3Speculator:
     """Load a target (checkpoint dir, or 'default') and an optional EAGLE-3 head.
 
@@ -37,12 +37,14 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     engine measures its own, so `eagle3 serve` and `export` skip it). device: where the target and
     head run ('cpu' default, 'cuda', 'cuda:1', ...); every tensor the decoding round builds
     lives there too.
-    quantize: the native target's weight format (`kernels.prepare_target`): None = float32
-    through the row-invariant kernels (speculative output bit-identical to plain decoding);
-    'bf16', 'int8', 'int4' (groups of 32; 'int4-g64', 'int8-g32' set the group); 'gguf' (a
-    .gguf target's codes as stored); 'auto' (the command line's default: 'gguf' for a GGUF
-    file stored quantized when the kernels run here on a float32 CPU target, else None);
-    'none' = stock PyTorch layers. The head takes the same format when quantized.
+    quantize: the native target's weight format (`kernels.prepare_target`): 'auto' (the
+    default, here and on the command line: the fastest exact path, i.e. 'gguf' for a GGUF
+    file stored quantized when the kernels run here on a float32 CPU target, else float32);
+    None / 'fp32' = float32 through the row-invariant kernels (what transformers is checked
+    against); 'bf16', 'int8', 'int4' (blocks of 32; 'int4-g64', 'int8-g64' set the group);
+    'gguf' (a .gguf target's codes as stored); 'none' = stock PyTorch layers. Every format
+    but 'none' gives speculative output bit-identical to plain decoding. The head takes the
+    same format when quantized.
     """
     from .default import default_head_dir
     from .draft import attach_head, load_head

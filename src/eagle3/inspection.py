@@ -131,7 +131,16 @@ def inspect_gguf(path: str) -> dict[str, Any]:
 
 def inspect_path(path: str) -> dict[str, Any]:
     """A flat description of the target or head at `path` (a directory, a .gguf file or a
-    registered model name)."""
+    registered model name); a target's also names the kernel path this CPU runs it on."""
+    info = _inspect_path(path)
+    if info.get("kind") == "target":
+        from .kernels import isa
+
+        info["kernel_isa"] = isa()
+    return info
+
+
+def _inspect_path(path: str) -> dict[str, Any]:
     from .draft.formats import detect_format
     from .targets.gguf import find_gguf
     from .targets.named import resolve_target

@@ -20,6 +20,7 @@ import torch
 
 from ..decoding.profile import Profile, profiling
 from ..decoding.types import Plan
+from ..kernels import cpu_name, isa
 
 PLAIN = "plain"
 
@@ -260,5 +261,6 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
                      "num_draft_tokens": chosen if spec.draft is not None else [],
                      "backends": names,
                      "trees": [t.as_dict() for t in trees], "temperature": temperature,
-                     "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads()},
+                     "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads(),
+                     "kernel_isa": isa(), "cpu": cpu_name()},
     }

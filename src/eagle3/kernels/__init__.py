@@ -1,28 +1,35 @@
-"""Weight formats for linear layers and the small-M kernel that runs them.
+"""Weight formats for linear layers and the small-M kernels that run them.
 
 A `QLinear` holds its weight in one of `FORMATS`:
-- ``float32``: as stored; run by an AVX-512 FMA kernel.
-- ``bfloat16``: weights rounded to bf16.
-- ``int8``: signed codes with one fp32 scale per group of `group` inputs (``group=None``:
-  one per output channel); w = code * scale. GGUF Q8_0 is int8 with groups of 32.
-- ``int4``: codes 0..15 with an fp32 scale and offset per group; w = code * scale + offset.
-  GGUF Q4_0 (offset = -8 scale) and Q4_1 load into it as they are.
+- ``float32``: as stored, (N, K).
+- ``bfloat16``: weights rounded to bf16, (N, K); activations stay float32.
+- ``int8``: GGUF Q8_0: signed codes, one fp16 scale per block of 32 inputs; w = code * scale.
+- ``int4``: GGUF Q4_1: codes 0..15 with an fp16 scale and offset per block of 32;
+  w = code * scale + offset. Without offsets it is GGUF Q4_0: w = (code - 8) * scale.
+  (`quantize` with a group of 64, 96, ... repeats a group's scale over its blocks.)
 
-The three packed formats run on AMX with bf16 activations (`wlinear.cpp` says why and
-how). Every format computes each row of x independently of how many rows are in the call,
-so `target_verify` over K+1 rows gives each row the bits a 1-row `decode` gives, and
-verifying 8 rows streams the weights once, as one row does.
+The packed formats multiply int8 activations (quantized per row, per block of 32, from that
+row alone) by the weight codes in integers: a block's sum is exact in int32, so it is the
+same in any order and on any instruction set, and only a short fp32 epilogue in a fixed block
+order remains (`kernels.cpp` says how; `exact_linear` is the same arithmetic in PyTorch, bit
+for bit). The float formats sum in 16 lanes with a fixed reduction tree. Either way each row
+of x is computed independently of how many rows share the call, so `target_verify` over
+K+1 rows gives each row the bits a 1-row `decode` gives, and each weight block is read once
+per call whatever the number of rows (weight-stationary).
 
-The kernel is a C++ extension compiled on first use (about 10 s, cached by
-`torch.utils.cpp_extension` under ~/.cache/torch_extensions). Where it cannot run (no
-AVX-512 or AMX, no compiler, not a CPU tensor), `reference_linear` computes the same
-formulas in PyTorch one row at a time: row-invariant too, slower, and equal to the kernel
-only to rounding.
+The kernels are a C++ extension built on first use for any x86-64 CPU (about 20 s, cached by
+`torch.utils.cpp_extension` under ~/.cache/torch_extensions). At run time they take the best
+instruction-set path the CPU has: ``avx512`` (AVX-512 VNNI), ``avx2`` (AVX2 + FMA + F16C)
+or ``scalar``; every path gives the same bits. `EAGLE3_ISA=scalar|avx2|avx512` forces one
+(for tests and comparisons); `isa()` names the one in use. Elsewhere (another architecture,
+CUDA tensors) `reference_linear` computes the same formulas in PyTorch one row at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,12 +42,16 @@ from ..errors import Eagle3Error
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 QUANTIZE_CHOICES = ("int8", "int4")
 FMT_ID = {name: i for i, name in enumerate(FORMATS)}
+BLOCK = 32  # inputs per scale in the packed formats (GGUF's block)
 DEFAULT_INT4_GROUP = 32
-_SOURCE = Path(__file__).with_name("wlinear.cpp")
+ISA_PATHS = ("avx512", "avx2", "scalar")
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "kernels.cpp", _DIR / "float_body.h")
 _EMPTY = torch.empty(0)
 
 
 _STATUS: str | None = None
+_BUILD_LOCK = threading.Lock()
 _PREFILL = threading.local()  # `prefill_matmuls()` is active in this thread
 
 
@@ -67,89 +78,143 @@ def kernel_available() -> bool:
 
 
 def kernel_status() -> str:
-    """'' when the compiled kernels (fp32 and AMX formats, attention) run here, else why not."""
+    """'' when the compiled kernels run here, else why not (not an x86-64 CPU)."""
     global _STATUS
     if _STATUS is None:
-        _STATUS = _build()
+        with _BUILD_LOCK:
+            if _STATUS is None:
+                _STATUS = _build()
     return _STATUS
 
 
 def _build() -> str:
-    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
-    missing = [f for f in ("avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
-               if f not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, not {platform.machine()}"
+    env = os.environ.get("EAGLE3_ISA", "")
+    if env and env not in ISA_PATHS:
+        raise Eagle3Error(f"EAGLE3_ISA={env} is not a kernel path; use one of {', '.join(ISA_PATHS)}")
+    from torch.utils.cpp_extension import load
+
+    # Built for the baseline x86-64: each path carries its own target attributes and is
+    # chosen at run time. -ffp-contract=off: the epilogue's multiply and add must stay two
+    # roundings on every path, as the PyTorch reference computes them.
     try:
-        from torch.utils.cpp_extension import load
-        load(name="eagle3_wlinear", sources=[str(_SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                           "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma"],
+        load(name="eagle3_kernels", sources=[str(_SOURCES[0])], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-I{_DIR}"],
              extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no headers: fall back, and say why
-        return f"the kernel did not build ({str(e).splitlines()[0][:120]})"
-    if not torch.ops.eagle3.amx_available():
-        return "the OS did not grant AMX tile state"
+    except Exception as e:  # no compiler or headers: a failure a user must see, not a fallback
+        raise Eagle3Error(f"the eagle3 kernels did not build ({str(e).splitlines()[0][:160]}); "
+                          "install a C++ compiler (g++) and the Python headers") from None
+    try:
+        torch.ops.eagle3.isa()
+    except RuntimeError as e:  # EAGLE3_ISA names a path this CPU cannot run
+        raise Eagle3Error(str(e).splitlines()[0]) from None
     torch.library.register_fake("eagle3::wlinear")(_wlinear_fake)
     torch.library.register_fake("eagle3::attention")(_attention_fake)
     return ""
 
 
+def isa() -> str:
+    """The instruction-set path the kernels run ('avx512', 'avx2', 'scalar'), or why none."""
+    return torch.ops.eagle3.isa() if kernel_available() else f"none ({kernel_status()})"
+
+
+def isa_paths() -> list[str]:
+    """Every kernel path this CPU can run, best first (empty where the kernels do not run)."""
+    return list(torch.ops.eagle3.isa_paths()) if kernel_available() else []
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the instruction sets the kernels care about, for reports."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
+                 platform.processor() or platform.machine())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
+    return f"{model} ({', '.join(have) or 'no AVX2'})"
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels on path `name` within (for tests and comparisons; not thread-safe)."""
+    kernel_status()
+    before = torch.ops.eagle3.set_isa(name)
+    try:
+        yield
+    finally:
+        torch.ops.eagle3.set_isa(before)
+
+
 # -- packing ----------------------------------------------------------------------------
 
-def tile_order(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes -> (N/16, K/32, 16, 16, 2): tiles of input pairs x columns (AMX's B)."""
+def pack_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(N, K) codes -> the kernel's tiles, flat uint8: per 16 columns and block of 32 inputs,
+    int8: [quad 0..7][column][4 inputs]; int4 (codes 0..15): [p 0..3][column][4 bytes], the
+    low nibble input 4p + j, the high nibble input 16 + 4p + j."""
     N, K = codes.shape
-    return codes.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    if fmt == "int8":
+        t = codes.to(torch.int8).view(torch.uint8).reshape(N // 16, 16, K // 32, 8, 4)
+        return t.permute(0, 2, 3, 1, 4).contiguous().reshape(-1)
+    c = codes.to(torch.uint8).reshape(N // 16, 16, K // 32, 2, 4, 4)  # (.., half, p, j)
+    t = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # (N/16, 16, nb, p, j)
+    return t.permute(0, 2, 3, 1, 4).contiguous().reshape(-1)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes 0..15 -> (N*K/2,) bytes: per tile, word l of run j holds rows 4j..4j+3
-    of lane l, one nibble each (the order `expand_int4` in wlinear.cpp reads)."""
-    t = tile_order(codes.to(torch.int32)).reshape(codes.shape[0] // 16, -1, 4, 4, 32)
-    words = t[:, :, :, 0] | (t[:, :, :, 1] << 4) | (t[:, :, :, 2] << 8) | (t[:, :, :, 3] << 12)
-    return words.to(torch.int16).contiguous().view(torch.uint8).reshape(-1)
+def unpack_codes(packed: torch.Tensor, N: int, K: int, fmt: str) -> torch.Tensor:
+    """Inverse of `pack_codes`: (N, K) int8 codes (int8) or uint8 codes 0..15 (int4)."""
+    if fmt == "int8":
+        t = packed.view(torch.uint8).reshape(N // 16, K // 32, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        return t.reshape(N, K).view(torch.int8)
+    t = packed.reshape(N // 16, K // 32, 4, 16, 4).permute(0, 3, 1, 2, 4)  # (N/16, 16, nb, p, j)
+    return torch.stack([t & 15, t >> 4], dim=3).reshape(N, K)
 
 
-def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """Inverse of `pack_int4`: (N, K) uint8 codes."""
-    words = packed.view(torch.int16).to(torch.int32).reshape(N // 16, K // 32, 4, 1, 32) & 0xFFFF
-    t = torch.cat([(words >> (4 * i)) & 15 for i in range(4)], dim=3)  # (N/16, T, 4, 4, 32)
-    t = t.reshape(N // 16, K // 32, 16, 16, 2)
-    return t.permute(0, 3, 1, 2, 4).reshape(N, K).to(torch.uint8)
+def pack_scales(s: torch.Tensor) -> torch.Tensor:
+    """(N, K/32) per-block scales -> (N/16, K/32, 16) float16, the kernel's order."""
+    N, nb = s.shape
+    return s.to(torch.float16).reshape(N // 16, 16, nb).permute(0, 2, 1).contiguous()
 
 
-def quantize_int8(w: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8: (N, K) fp32 -> codes (N, K) int8, scales (N, K/G) (G = K when None)."""
+def unpack_scales(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_scales`: (N, K/32) float32."""
+    n16, nb, _ = s.shape
+    return s.float().permute(0, 2, 1).reshape(n16 * 16, nb)
+
+
+def quantize_int8(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 (Q8_0 for groups of 32): (N, K) -> codes (N, K) int8, scales (N, K/G)
+    (fp16 values, as the format stores them; the codes are rounded with those)."""
     N, K = w.shape
-    G = group or K
-    wg = w.float().reshape(N, K // G, G)
-    scale = wg.abs().amax(-1).clamp(min=1e-12) / 127
-    codes = torch.round(wg / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    wg = w.float().reshape(N, K // group, group)
+    scale = (wg.abs().amax(-1) / 127).half().float()
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round(wg * inv[..., None]).clamp(-127, 127).to(torch.int8)
     return codes.reshape(N, K), scale
 
 
-def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
-    """Asymmetric int4 (min / max per group): (N, K) -> codes (N, K) uint8, scales, offsets."""
+def quantize_int4(w: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, ...]:
+    """Asymmetric int4 (Q4_1 for groups of 32; min / max per group): (N, K) -> codes (N, K)
+    uint8, scales, offsets (fp16 values; the codes are rounded with them)."""
     N, K = w.shape
     wg = w.float().reshape(N, K // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    lo, hi = wg.amin(-1).half().float(), wg.amax(-1)
+    scale = ((hi - lo) / 15).half().float()
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round((wg - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.reshape(N, K), scale, lo
 
 
 def check_shape(N: int, K: int, fmt: str, group: int | None) -> None:
-    """One-line errors for weights a format cannot hold (float32 holds any)."""
-    if fmt == "float32":
+    """One-line errors for weights a format cannot hold (float32 and bfloat16 hold any)."""
+    if fmt in ("float32", "bfloat16"):
         return
-    if K % 32:
+    if K % BLOCK:
         raise Eagle3Error(f"{fmt} weights need in_features divisible by 32 (got {K}); "
                           "keep this model in float32")
     if N % 16:
         raise Eagle3Error(f"{fmt} weights need out_features divisible by 16 (got {N}); "
                           "keep this model in float32")
-    if group is not None and (group % 32 or K % group):
+    if group is not None and (group % BLOCK or K % group):
         raise Eagle3Error(f"group size {group} must be a multiple of 32 dividing in_features "
                           f"{K}; choose 32 or 64")
 
@@ -158,6 +223,8 @@ class QLinear(nn.Module):
     """A bias-optional linear layer whose weight lives in one of `FORMATS`.
 
     Inputs and outputs are float32; `forward` takes (..., K) and returns (..., N).
+    Buffers: ``w`` (float32 / bfloat16: (N, K); int8 / int4: `pack_codes` tiles), ``scale``
+    and ``offset`` ((N/16, K/32, 16) float16 per block; empty where the format has none).
     """
 
     def __init__(self, fmt: str, in_features: int, out_features: int, w: torch.Tensor,
@@ -177,52 +244,54 @@ class QLinear(nn.Module):
                    offset: torch.Tensor | None = None, bias: torch.Tensor | None = None
                    ) -> QLinear:
         """Pack (N, K) codes (int8 / int4) or weights (float32 / bfloat16) with per-group
-        (N, K/G) scales and offsets: the one place a layout is written."""
+        (N, K/G) scales and offsets (G a multiple of 32; values rounded to fp16, exact for
+        GGUF's own). int4 without offsets is Q4_0: w = (code - 8) * scale. The one place a
+        layout is written."""
         N, K = codes.shape
         group = None if scale is None else K // scale.shape[1]
         check_shape(N, K, fmt, group)
-        t = lambda s: None if s is None else s.float().t().contiguous()  # noqa: E731 (K/G, N)
-        if fmt == "float32":
-            w = codes.float().contiguous()
-        elif fmt == "bfloat16":
-            w = tile_order(codes.to(torch.bfloat16).view(torch.int16)).reshape(-1)
-        elif fmt == "int8":
-            w = tile_order(codes.to(torch.int8)).reshape(-1)
-        else:
-            w = pack_int4(codes)
-        return cls(fmt, K, N, w, t(scale), t(offset), group, bias)
+        if fmt in ("float32", "bfloat16"):
+            w = codes.to(torch.float32 if fmt == "float32" else torch.bfloat16).contiguous()
+            return cls(fmt, K, N, w, None, None, None, bias)
+        if scale is None:
+            raise Eagle3Error(f"{fmt} codes need their scales")
+        per_block = lambda s: None if s is None else pack_scales(  # noqa: E731
+            s.float().repeat_interleave(group // BLOCK, dim=1))
+        return cls(fmt, K, N, pack_codes(codes, fmt), per_block(scale), per_block(offset), group, bias)
 
     @classmethod
     def quantize(cls, linear: nn.Linear, fmt: str, group: int | None = None) -> QLinear:
-        """Convert an `nn.Linear` to `fmt` (int4 groups default to 32; int8 per channel)."""
+        """Convert an `nn.Linear` to `fmt` (groups of 32 inputs unless `group` says more)."""
         w = linear.weight.detach().float()
         b = None if linear.bias is None else linear.bias.detach()
         N, K = w.shape
         if fmt in ("float32", "bfloat16"):
             return cls.from_codes(fmt, w, bias=b)
+        group = group or BLOCK
         check_shape(N, K, fmt, group)
         if fmt == "int8":
             codes, scale = quantize_int8(w, group)
             return cls.from_codes(fmt, codes, scale, bias=b)
-        codes, scale, offset = quantize_int4(w, group or DEFAULT_INT4_GROUP)
+        codes, scale, offset = quantize_int4(w, group)
         return cls.from_codes(fmt, codes, scale, offset, bias=b)
+
+    def codes(self) -> torch.Tensor:
+        """The (N, K) integer codes of a packed format (int8, or 0..15 for int4)."""
+        return unpack_codes(self.w, self.out_features, self.in_features, self.fmt)
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) in fp32, as the format's formula defines it."""
-        N, K, G = self.out_features, self.in_features, self.group
-        if self.fmt == "float32":
-            return self.w
-        if self.fmt == "int4":
-            codes = unpack_int4(self.w, N, K).float()
+        N, K = self.out_features, self.in_features
+        if self.fmt in ("float32", "bfloat16"):
+            return self.w.float()
+        codes = self.codes().float().reshape(N, K // BLOCK, BLOCK)
+        scale = unpack_scales(self.scale)[..., None]
+        if self.fmt == "int8":
+            w = codes * scale
+        elif self.offset.numel():
+            w = codes * scale + unpack_scales(self.offset)[..., None]
         else:
-            t = self.w.view(torch.bfloat16) if self.fmt == "bfloat16" else self.w
-            codes = t.reshape(N // 16, K // 32, 16, 16, 2).permute(0, 3, 1, 2, 4)
-            codes = codes.reshape(N, K).float()
-        if self.fmt == "bfloat16":
-            return codes
-        w = codes.reshape(N, K // G, G) * self.scale.t()[..., None]
-        if self.fmt == "int4":
-            w = w + self.offset.t()[..., None]
+            w = (codes - 8) * scale
         return w.reshape(N, K)
 
     @property
@@ -236,7 +305,7 @@ class QLinear(nn.Module):
             y = torch.nn.functional.linear(x2, self.w)
         elif x2.device.type == "cpu" and kernel_available():
             y = torch.ops.eagle3.wlinear(x2, self.w, self.scale, self.offset, FMT_ID[self.fmt],
-                                         self.group, self.out_features)
+                                         BLOCK, self.out_features)
         else:
             y = reference_linear(self, x2)
         if self.bias is not None:
@@ -249,12 +318,47 @@ class QLinear(nn.Module):
 
 
 def reference_linear(layer: QLinear, x: torch.Tensor) -> torch.Tensor:
-    """The format's formula in PyTorch, one row at a time (row-invariant, not fast)."""
+    """The format's formula in PyTorch, row-invariant: the packed formats exactly as the
+    kernels compute them (`exact_linear`); float formats one row at a time (equal to the
+    kernels only to rounding)."""
+    if layer.fmt in QUANTIZE_CHOICES:
+        return exact_linear(layer, x)
     w = layer.dequantized().to(x.device)
-    if layer.fmt == "float32":
-        return torch.cat([x[i:i + 1] @ w.t() for i in range(x.shape[0])]) if x.shape[0] else x @ w.t()
-    xb = x.to(torch.bfloat16).float()  # the kernel's bf16 activations
-    return torch.cat([xb[i:i + 1] @ w.t() for i in range(x.shape[0])]) if x.shape[0] else xb @ w.t()
+    return torch.cat([x[i:i + 1] @ w.t() for i in range(x.shape[0])]) if x.shape[0] else x @ w.t()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of x (M, K) as int8 codes per block of 32, from that row alone: codes
+    (M, K/32, 32) (float64 holding integers), scales xd (M, K/32) fp32 and code sums xs."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.double(), d, q.sum(-1)
+
+
+def exact_linear(layer: QLinear, x: torch.Tensor) -> torch.Tensor:
+    """A packed layer's output, written in plain PyTorch with the kernels' arithmetic: exact
+    integer block sums (float64 holds them exactly), then per block in order, in fp32 with one
+    rounding per operation, acc = acc + (d * xd) * isum [+ m * (xd * xs)]. Equal to every
+    kernel path bit for bit."""
+    N, K = layer.out_features, layer.in_features
+    nb = K // BLOCK
+    q, xd, xs = quantize_rows(x)  # (M, nb, 32), (M, nb), (M, nb)
+    codes = layer.codes().to(x.device).double().reshape(N, nb, BLOCK)
+    isum = torch.einsum("mbk,nbk->mnb", q, codes)  # (M, N, nb), exact integers
+    if layer.fmt == "int4" and not layer.offset.numel():
+        isum = isum - 8 * xs.double()[:, None, :]  # Q4_0's zero point
+    d = unpack_scales(layer.scale).to(x.device)  # (N, nb)
+    m = unpack_scales(layer.offset).to(x.device) if layer.offset.numel() else None
+    xsd = xd * xs
+    acc = torch.zeros(x.shape[0], N, device=x.device)
+    for b in range(nb):
+        acc = acc + (d[None, :, b] * xd[:, None, b]) * isum[:, :, b].float()
+        if m is not None:
+            acc = acc + m[None, :, b] * xsd[:, None, b]
+    return acc
 
 
 def _wlinear_fake(x, w, scale, offset, fmt, group, N):  # shapes for torch.compile
@@ -278,7 +382,7 @@ def parse_quantize(spec: str | None) -> tuple[str, int | None] | None:
     if fmt not in FORMATS or (g and (fmt not in QUANTIZE_CHOICES or not g.isdigit())):
         raise Eagle3Error(f"quantize must be one of auto, none, fp32, bf16, int8, int4, gguf (int8/int4 "
                           f"may add a group size, e.g. int4-g64), got {spec!r}")
-    group = int(g) if g else (DEFAULT_INT4_GROUP if fmt == "int4" else None)
+    group = int(g) if g else (BLOCK if fmt in QUANTIZE_CHOICES else None)
     if group is not None and (group < 32 or group % 32):
         raise Eagle3Error(f"quantize {spec!r}: the group size must be a multiple of 32")
     return fmt, group
@@ -309,7 +413,7 @@ def quantize_model(model: nn.Module, fmt: str, group: int | None = None,
                 counts["bytes"] += made.nbytes
                 continue
             N, K = child.weight.shape
-            g = (group or DEFAULT_INT4_GROUP) if fmt == "int4" else group
+            g = (group or BLOCK) if fmt in QUANTIZE_CHOICES else group
             layer_fmt = fmt
             try:
                 check_shape(N, K, fmt, g)
@@ -322,6 +426,29 @@ def quantize_model(model: nn.Module, fmt: str, group: int | None = None,
             counts["converted"] += 1
             counts["bytes"] += q.nbytes
     return counts
+
+
+def fused_step_ok(*ts: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels (`eagle3::rms_norm`, `rope_`, `silu_mul`) may take
+    these tensors: float32 CPU tensors where the kernels run, outside torch.compile / export
+    (inductor fuses these steps itself) and outside autograd (the kernels have no backward).
+    One op instead of 3-8 small ones saves a step the per-op cost of each (~4 us here)."""
+    if torch.compiler.is_compiling() or not kernel_available():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and not (grad and t.requires_grad)
+               for t in ts)
+
+
+def use_fused_steps(*models: nn.Module | None, on: bool = True) -> None:
+    """Let the models' norms and SwiGLU MLPs (modules with a `fused` flag) run as one C++ op
+    each. Set on the row-invariant path (`prepare_target`); stock models keep PyTorch's ops,
+    which transformers is checked against to 1e-4. RoPE always runs fused where it may: its
+    kernel computes PyTorch's own bits."""
+    for model in models:
+        for m in model.modules() if model is not None else ():
+            if hasattr(m, "fused") and isinstance(m.fused, bool):
+                m.fused = on
 
 
 def row_invariant_attention(q: torch.Tensor) -> bool:
@@ -375,6 +502,7 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
     else:
         quantize_model(target, fmt, group)
     target.exact = dev.type == "cpu" and kernel_available()
+    use_fused_steps(target, draft, on=target.exact)
     target.weight_format = fmt if group is None or fmt not in QUANTIZE_CHOICES else f"{fmt}-g{group}"
     if draft is not None and fmt != "float32":  # the head only proposes: speed, not exactness
         quantize_model(draft, "int4" if fmt == "gguf" else fmt, group)
@@ -400,3 +528,4 @@ def to_stock_layers(model: nn.Module) -> None:
             setattr(parent, name, lin)
     if hasattr(model, "exact"):
         model.exact, model.weight_format = False, None
+    use_fused_steps(model, on=False)

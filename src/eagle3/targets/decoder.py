@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fused_step_ok
 from ..kv import StaticKVCache
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
 from .protocol import default_taps, validate_taps
@@ -26,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.fused = False  # `kernels.use_fused_steps`: one C++ op (rounds like it, not like torch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and fused_step_ok(x, self.weight):  # one kernel, each row alone
+            return torch.ops.eagle3.rms_norm(x, self.weight, self.eps, self.gemma)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -122,6 +126,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     mask and (B, T) write slots, which its paged cache interprets.
     """
     hd = q.shape[-1]
+    if fused_step_ok(q, k, cos) and q.stride(-1) == k.stride(-1) == 1:
+        # The same multiplies and adds as below, in place, in one op per tensor: the same bits.
+        torch.ops.eagle3.rope_(q, cos.contiguous(), sin.contiguous())
+        torch.ops.eagle3.rope_(k, cos.contiguous(), sin.contiguous())
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
+        return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
     if cos.dim() == 3:  # per-row positions (B, T, hd): the engine's ragged batches
         cos, sin = cos[:, None], sin[:, None]
@@ -140,6 +150,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gelu = gelu
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+        self.fused = False  # `kernels.use_fused_steps`: SwiGLU in one C++ op
 
     def fuse(self) -> None:
         """Replace gate/up_proj by one `gate_up_proj` (one matmul instead of two)."""
@@ -148,7 +159,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)  # (..., 2I)
+            if self.fused and not self.gelu and fused_step_ok(gate_up):
+                return self.down_proj(torch.ops.eagle3.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)

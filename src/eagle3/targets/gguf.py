@@ -241,7 +241,7 @@ def block_codes(tensor) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor |
     if qtype == "Q4_1":
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
         return "int4", codes, d, m
-    return "int4", codes, d, -8 * d
+    return "int4", codes, d, None  # Q4_0: w = (code - 8) * d, no offsets stored
 
 
 def codes_only_names(named: list[tuple[str, str, tuple[int, int]]]) -> set[str]:
@@ -440,6 +440,8 @@ def _layer(path: str, lin, tied: bool, blocks: dict, types: dict):
     got = [blocks.get(n) for n in names]
     if all(g is not None for g in got) and len({g[0] for g in got}) == 1:
         fmt = got[0][0]
+        if any(g[3] is None for g in got) and any(g[3] is not None for g in got):
+            got = [g if g[3] is not None else (*g[:3], -8 * g[2]) for g in got]  # Q4_0 as Q4_1
         cat = lambda i: None if got[0][i] is None else torch.cat([g[i] for g in got])  # noqa: E731
         try:
             return QLinear.from_codes(fmt, cat(1), cat(2), cat(3), bias=bias)

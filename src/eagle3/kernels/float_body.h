@@ -1,0 +1,229 @@
+// The float kernels, written once over a 16-lane vector type `V` and included once per
+// instruction set by kernels.cpp (inside that set's `#pragma GCC target` and namespace).
+//
+// Every operation on V is an IEEE elementwise operation (fused multiply-add included) and
+// every horizontal sum is `V::reduce`'s fixed tree, so each path (scalar, AVX2, AVX-512)
+// produces the same bits, and a row's result depends only on that row: the same in a
+// (T > 1) verify as in a 1-row decode.
+//
+// Needs from the including scope: V (zero, set1, load, load_n, load_bf16, load_bf16_n,
+// store, store_n, fma, add, sub, mul, max, reduce), and the constants MT (rows per
+// register tile) and NB (weight rows per register tile).
+
+// ---- linear: y (M, N) = x (M, K) @ W^T with W (N, K) float32 or bfloat16 -------------------
+
+template <typename W>
+inline V load_w(const W* p);
+template <>
+inline V load_w<float>(const float* p) { return V::load(p); }
+template <>
+inline V load_w<uint16_t>(const uint16_t* p) { return V::load_bf16(p); }
+template <typename W>
+inline V load_w_n(const W* p, int n);
+template <>
+inline V load_w_n<float>(const float* p, int n) { return V::load_n(p, n); }
+template <>
+inline V load_w_n<uint16_t>(const uint16_t* p, int n) { return V::load_bf16_n(p, n); }
+
+// Lane l of acc[i][j] sums x[i, k] * w[j, k] over k = l (mod 16) in increasing k, one fused
+// multiply-add each; the tail is zero-filled (adding +0 * +0 changes nothing). Then the tree.
+template <int MR, int NR, typename W>
+inline void dot_tile(const float* x, int64_t K, const W* w, float* y, int64_t N) {
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    V wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load_w<W>(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const V xv = V::load(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const int n = static_cast<int>(K - k);
+    V wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load_w_n<W>(w + j * K + k, n);
+    for (int i = 0; i < MR; ++i) {
+      const V xv = V::load_n(x + i * K + k, n);
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * N + j] = V::reduce(acc[i][j]);
+}
+
+template <int MR, int NR, typename W>
+inline void dot_rows_from(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+  if constexpr (MR > 0) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) dot_tile<MR, NR, W>(x + m * K, K, w, y + m * N, N);
+    if (m < M) dot_rows_from<MR - 1, NR, W>(x + m * K, M - m, K, w, y + m * N, N);
+  }
+}
+
+template <int NR, typename W>
+inline void dot_rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+  dot_rows_from<MT, NR, W>(x, M, K, w, y, N);
+}
+
+template <int NR, typename W>
+inline void dot_cols(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N,
+                     int64_t n, int64_t left) {
+  if constexpr (NR > 0) {
+    if (left >= NR) dot_rows<NR, W>(x, M, K, w + n * K, y + n, N);
+    else dot_cols<NR - 1, W>(x, M, K, w, y, N, n, left);
+  }
+}
+
+template <typename W>
+void float_linear(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N,
+                  int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * NB;
+    dot_cols<NB, W>(x, M, K, w, y, N, n, std::min<int64_t>(NB, N - n));
+  }
+}
+
+// ---- attention: one query row at a time -----------------------------------------------------
+
+// e^x for x <= 0: 2^n * p(r), r = x - n ln 2, a degree-6 polynomial. x is clamped to -87 so
+// 2^n stays a normal float built from its bits (the same on every path, no scalef).
+inline V exp_neg(V x) {
+  x = V::max(x, V::set1(-87.f));
+  const V n = V::round_even(V::mul(x, V::set1(1.44269504088896341f)));
+  V r = V::fma(n, V::set1(-0.693145751953125f), x);
+  r = V::fma(n, V::set1(-1.428606765330187e-06f), r);
+  V p = V::set1(1.3981999507e-3f);
+  p = V::fma(p, r, V::set1(8.3334519073e-3f));
+  p = V::fma(p, r, V::set1(4.1665795894e-2f));
+  p = V::fma(p, r, V::set1(1.6666665459e-1f));
+  p = V::fma(p, r, V::set1(5.0000001201e-1f));
+  p = V::fma(p, V::mul(r, r), r);
+  p = V::add(p, V::set1(1.f));
+  return V::mul(p, V::pow2(n));
+}
+
+// out[b, t, h*hd:(h+1)*hd] = softmax(scale * q[b, h, t] . k[b, h/g, s] over the s that
+// mask[b, t, s] allows) @ v[b, h/g]. Masked keys are skipped, not zeroed, and the allowed
+// keys are visited in slot order, so a row's result depends only on its query and the keys
+// it may see, whatever sits in the masked slots and however long the cache is.
+void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
+  const int64_t T = a.T, nh = a.nh, hd = a.hd, S = a.S;
+  thread_local std::vector<float> sbuf;
+  thread_local std::vector<int32_t> keep;
+  if (static_cast<int64_t>(sbuf.size()) < S + 16) sbuf.resize(S + 16);
+  if (static_cast<int64_t>(keep.size()) < S) keep.resize(S);
+  float* sb = sbuf.data();
+  int32_t* kp = keep.data();
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (nh * T), h = (i / T) % nh, t = i % T, kh = h / a.group;
+    const float* qr = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+    const float* kb = a.k + b * a.ks[0] + kh * a.ks[1];
+    const float* vb = a.v + b * a.vs[0] + kh * a.vs[1];
+    const bool* mr = a.mask + b * a.ms[0] + t * a.ms[1];
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (mr[s * a.ms[2]]) kp[n++] = static_cast<int32_t>(s);
+    float* o = a.out + (b * T + t) * nh * hd + h * hd;
+    if (n == 0) {
+      std::memset(o, 0, hd * sizeof(float));
+      continue;
+    }
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = kb + kp[j] * a.ks[2];
+      V acc = V::zero();
+      int64_t d = 0;
+      for (; d + 16 <= hd; d += 16) acc = V::fma(V::load(qr + d), V::load(kr + d), acc);
+      if (d < hd) acc = V::fma(V::load_n(qr + d, hd - d), V::load_n(kr + d, hd - d), acc);
+      float x = V::reduce(acc) * a.scale;
+      if (a.softcap > 0.f) x = std::tanh(x / a.softcap) * a.softcap;
+      sb[j] = x;
+      mx = std::max(mx, x);
+    }
+    for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sb[j] = mx;
+    const V vmx = V::set1(mx);
+    for (int64_t j = 0; j < n; j += 16) V::store(sb + j, exp_neg(V::sub(V::load(sb + j), vmx)));
+    float denom = 0.f;
+    for (int64_t j = 0; j < n; ++j) denom += sb[j];
+    const V inv = V::set1(1.f / denom);
+    for (int64_t d = 0; d < hd; d += 16) {
+      const int live = static_cast<int>(std::min<int64_t>(16, hd - d));
+      V acc = V::zero();
+      for (int64_t j = 0; j < n; ++j)
+        acc = V::fma(V::set1(sb[j]), V::load_n(vb + kp[j] * a.vs[2] + d, live), acc);
+      V::store_n(o + d, V::mul(acc, inv), live);
+    }
+  }
+}
+
+// ---- elementwise steps around the matmuls, one row at a time ---------------------------------
+
+// RMSNorm of each row of x (M, H): r = 1 / sqrt(sum(x^2) / H + eps) (the sum in 16 lanes and
+// the fixed tree); y = w * (x * r), or (x * r) * (1 + w) for Gemma.
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps,
+                   bool gemma, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * H;
+    float* yr = y + r * H;
+    V acc = V::zero();
+    int64_t k = 0;
+    for (; k + 16 <= H; k += 16) {
+      const V v = V::load(xr + k);
+      acc = V::fma(v, v, acc);
+    }
+    if (k < H) {
+      const V v = V::load_n(xr + k, static_cast<int>(H - k));
+      acc = V::fma(v, v, acc);
+    }
+    const V inv = V::set1(1.f / std::sqrt(V::reduce(acc) / static_cast<float>(H) + eps));
+    for (k = 0; k < H; k += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, H - k));
+      const V h = V::mul(V::load_n(xr + k, n), inv);
+      const V wv = V::load_n(w + k, n);
+      V::store_n(yr + k, gemma ? V::mul(h, V::add(V::set1(1.f), wv)) : V::mul(wv, h), n);
+    }
+  }
+}
+
+// RoPE in place on rows of head vectors: x[:half] = x1 * c1 + (-x2) * s1 and
+// x[half:] = x2 * c2 + x1 * s2, one rounding per multiply and add: the bits of
+// `x * cos + rotate_half(x) * sin` in PyTorch.
+void rope_rows(const RopeArgs& a, int64_t i0, int64_t i1) {
+  const int64_t half = a.hd / 2;
+  for (int64_t i = i0; i < i1; ++i) {  // i = (b * T + t) * heads + h
+    const int64_t h = i % a.heads, bt = i / a.heads, t = bt % a.T, b = bt / a.T;
+    float* x = a.x + b * a.xs[0] + t * a.xs[1] + h * a.xs[2];
+    const float* c = a.cos + b * a.cb + t * a.hd;
+    const float* s = a.sin + b * a.cb + t * a.hd;
+    for (int64_t k = 0; k < half; k += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, half - k));
+      const V x1 = V::load_n(x + k, n), x2 = V::load_n(x + half + k, n);
+      const V lo = V::add(V::mul(x1, V::load_n(c + k, n)), V::mul(V::sub(V::zero(), x2), V::load_n(s + k, n)));
+      const V hi = V::add(V::mul(x2, V::load_n(c + half + k, n)), V::mul(x1, V::load_n(s + half + k, n)));
+      V::store_n(x + k, lo, n);
+      V::store_n(x + half + k, hi, n);
+    }
+  }
+}
+
+// SwiGLU of each row of gu (M, 2I) = [gate | up]: y = silu(gate) * up, silu(g) = g / (1 + e^-g)
+// with e^-|g| from exp_neg (g >= 0: g / (1 + t); g < 0: g * t / (1 + t)).
+void silu_mul_rows(const float* gu, float* y, int64_t I, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * I;
+    const float* u = g + I;
+    float* yr = y + r * I;
+    for (int64_t k = 0; k < I; k += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, I - k));
+      const V gv = V::load_n(g + k, n);
+      const V neg_abs = V::sub(V::zero(), V::max(gv, V::sub(V::zero(), gv)));
+      const V t = exp_neg(neg_abs);
+      const V den = V::add(V::set1(1.f), t);
+      const V num = V::select_neg(gv, V::mul(gv, t), gv);  // g < 0: g * t, else g
+      V::store_n(yr + k, V::mul(V::div(num, den), V::load_n(u + k, n)), n);
+    }
+  }
+}

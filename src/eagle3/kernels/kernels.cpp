@@ -1,0 +1,671 @@
+// Row-invariant, weight-stationary kernels for small M on any x86-64 CPU.
+//
+//   wlinear:   y (M, N) = x (M, K) @ W^T, W in one of the formats below.
+//   attention: masked attention, one query row at a time.
+//
+// Why: speculative verification runs K+1 rows through every layer. Stock CPU kernels either
+// stream the weights once per row (cost grows with M) or choose a different summation order
+// for a different M (a row's result then changes with the batch, and speculative output
+// stops being bit-identical to plain decoding). Here each weight block is read and decoded
+// once per call and applied to every row, row m's result depends on x[m] and W only, and each
+// output column is computed by one thread (no split-K).
+//
+// Packed formats (GGUF's block codes; layouts written by eagle3/kernels/__init__.py):
+//   Q8_0 (INT8):  w = d * q,        q int8,   d fp16 per block of 32 inputs.
+//   Q4_1 (INT4):  w = d * q + m,    q 0..15,  d, m fp16 per block.
+//   Q4_0 (INT4, no m): w = d * (q - 8).
+// Activations are quantized per row, per block of 32, from that row alone (Q8: xd = amax/127,
+// xq = round-half-even(x / xd) in -127..127, xs = sum of xq). A block's dot product
+// isum = sum q * xq - zp * xs is an exact int32, the same by any instruction sequence; the
+// epilogue runs in fp32 in block order, with no fused multiply-add:
+//   acc = acc + (d * xd) * isum          [+ m * (xd * xs) for Q4_1]
+// so every path (scalar, AVX2, AVX-512 VNNI) gives the same bits as the others and as the
+// integer reference in PyTorch (`kernels.exact_linear`).
+//
+// Packed layout: columns in groups of 16; per group g and block b one tile of codes:
+//   INT8: 512 bytes, [quad 0..7][column 0..15][4 bytes]: inputs 4 quad .. 4 quad + 3.
+//   INT4: 256 bytes, [p 0..3][column 0..15][4 bytes]: low nibble = input 4p + j, high nibble
+//         = input 16 + 4p + j (GGUF's own nibble order within a block, transposed).
+// scales d and mins m: (N/16, K/32, 16) fp16.
+//
+// Float formats (F32, BF16 weights as (N, K)) keep fp32 activations: 16-lane fused
+// multiply-adds over k and a fixed reduction tree (float_body.h), the same on every path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+enum Format : int64_t { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+const char* const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+struct AttnArgs {
+  const float *q, *k, *v;
+  const bool* mask;
+  float* out;
+  int64_t T, nh, hd, S, group;
+  int64_t qs[3], ks[3], vs[3], ms[3];
+  float scale, softcap;
+};
+
+struct RopeArgs {
+  float* x;  // (B, T, heads, hd), the last dimension contiguous
+  const float *cos, *sin;  // (T, hd), or (B, T, hd) with cb = T * hd
+  int64_t T, heads, hd, cb;
+  int64_t xs[3];
+};
+
+// One call's quantized activations and packed weights.
+struct QCall {
+  const int8_t* xq;   // (M, K)
+  const float* xd;    // (M, nb) scale
+  const float* xsd;   // (M, nb) xd * xs
+  const int32_t* xs;  // (M, nb) sum of codes
+  int64_t M, K, nb, N;
+  const uint8_t* codes;
+  const uint16_t* d;  // (N/16, nb, 16) fp16 bits
+  const uint16_t* m;  // same, or nullptr
+  int64_t fmt;
+  int32_t zp;  // subtracted zero point: 8 for Q4_0, else 0
+  float* y;
+};
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// The weights stream from DRAM once per call: ask for a block's codes and scales PREFETCH
+// blocks before they are needed (one block is 320-576 bytes; a DRAM read takes ~100 ns, a
+// block's arithmetic ~20 ns), every cache line of them. Past the end it fetches nothing harmful:
+// prefetches never fault.
+constexpr int64_t PREFETCH = 16;
+inline void prefetch_ahead(const QCall& c, const uint8_t* tile_ptr, int64_t scale_at, int64_t tile) {
+  const char* t = reinterpret_cast<const char*>(tile_ptr + PREFETCH * tile);
+  for (int64_t i = 0; i < tile; i += 64) _mm_prefetch(t + i, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(c.d + scale_at + PREFETCH * 16), _MM_HINT_T0);
+  if (c.m) _mm_prefetch(reinterpret_cast<const char*>(c.m + scale_at + PREFETCH * 16), _MM_HINT_T0);
+}
+
+// ======================================= scalar =============================================
+
+namespace isa_scalar {
+
+struct V {
+  float l[16];
+  static V zero() { V r; for (int i = 0; i < 16; ++i) r.l[i] = 0.f; return r; }
+  static V set1(float x) { V r; for (int i = 0; i < 16; ++i) r.l[i] = x; return r; }
+  static V load(const float* p) { V r; for (int i = 0; i < 16; ++i) r.l[i] = p[i]; return r; }
+  static V load_n(const float* p, int n) { V r = zero(); for (int i = 0; i < n; ++i) r.l[i] = p[i]; return r; }
+  static float bf16(uint16_t b) { uint32_t u = static_cast<uint32_t>(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  static V load_bf16(const uint16_t* p) { V r; for (int i = 0; i < 16; ++i) r.l[i] = bf16(p[i]); return r; }
+  static V load_bf16_n(const uint16_t* p, int n) { V r = zero(); for (int i = 0; i < n; ++i) r.l[i] = bf16(p[i]); return r; }
+  static void store(float* p, V a) { for (int i = 0; i < 16; ++i) p[i] = a.l[i]; }
+  static void store_n(float* p, V a, int n) { for (int i = 0; i < n; ++i) p[i] = a.l[i]; }
+  static V fma(V a, V b, V c) { V r; for (int i = 0; i < 16; ++i) r.l[i] = std::fma(a.l[i], b.l[i], c.l[i]); return r; }
+  static V add(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] + b.l[i]; return r; }
+  static V sub(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] - b.l[i]; return r; }
+  static V mul(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] * b.l[i]; return r; }
+  static V max(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] > b.l[i] ? a.l[i] : b.l[i]; return r; }
+  static V div(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] / b.l[i]; return r; }
+  static V select_neg(V c, V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = c.l[i] < 0.f ? a.l[i] : b.l[i]; return r; }
+  static V round_even(V a) { V r; for (int i = 0; i < 16; ++i) r.l[i] = std::nearbyint(a.l[i]); return r; }
+  static V pow2(V n) {  // 2^n for integral n in [-126, 127], built from its bits
+    V r;
+    for (int i = 0; i < 16; ++i) { uint32_t u = static_cast<uint32_t>(static_cast<int32_t>(n.l[i]) + 127) << 23; std::memcpy(&r.l[i], &u, 4); }
+    return r;
+  }
+  static float reduce(V a) {  // the fixed tree: halves 8, 4, 2, 1
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = a.l[i] + a.l[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  }
+};
+constexpr int MT = 1;
+constexpr int NB = 1;
+#include "float_body.h"
+
+void qlinear(const QCall& c, int64_t g0, int64_t g1) {
+  const int64_t M = c.M, nb = c.nb;
+  const int64_t tile = c.fmt == INT8 ? 512 : 256;
+  thread_local std::vector<float> accbuf;
+  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
+  float* acc = accbuf.data();
+  int32_t w[16][32];
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc, acc + M * 16, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = c.codes + (g * nb + b) * tile;
+      if (c.fmt == INT8) {
+        for (int q = 0; q < 8; ++q)
+          for (int l = 0; l < 16; ++l)
+            for (int j = 0; j < 4; ++j) w[l][4 * q + j] = static_cast<int8_t>(t[(q * 16 + l) * 4 + j]);
+      } else {
+        for (int p = 0; p < 4; ++p)
+          for (int l = 0; l < 16; ++l)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = t[(p * 16 + l) * 4 + j];
+              w[l][4 * p + j] = byte & 15;
+              w[l][16 + 4 * p + j] = byte >> 4;
+            }
+      }
+      const uint16_t* dp = c.d + (g * nb + b) * 16;
+      const uint16_t* mp = c.m ? c.m + (g * nb + b) * 16 : nullptr;
+      for (int64_t r = 0; r < M; ++r) {
+        const int8_t* x = c.xq + r * c.K + b * 32;
+        const int64_t rb = r * nb + b;
+        for (int l = 0; l < 16; ++l) {
+          int32_t s = 0;
+          for (int k = 0; k < 32; ++k) s += w[l][k] * x[k];
+          s -= c.zp * c.xs[rb];
+          float a = acc[r * 16 + l];
+          a = a + (half_to_float(dp[l]) * c.xd[rb]) * static_cast<float>(s);
+          if (mp) a = a + half_to_float(mp[l]) * c.xsd[rb];
+          acc[r * 16 + l] = a;
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+  }
+}
+
+}  // namespace isa_scalar
+
+// ======================================== AVX2 ==============================================
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+
+struct V {  // lanes 0..7 in lo, 8..15 in hi
+  __m256 lo, hi;
+  static V make(__m256 a, __m256 b) { V r; r.lo = a; r.hi = b; return r; }
+  static V zero() { return make(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+  static V set1(float x) { return make(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+  static V load(const float* p) { return make(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+  static __m256i mask8(int n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx);
+  }
+  static V load_n(const float* p, int n) {
+    return make(_mm256_maskload_ps(p, mask8(n)), _mm256_maskload_ps(p + 8, mask8(n - 8)));
+  }
+  static __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+  static V load_bf16(const uint16_t* p) {
+    return make(bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+  }
+  static V load_bf16_n(const uint16_t* p, int n) {
+    alignas(32) uint16_t tmp[16] = {};
+    std::memcpy(tmp, p, n * 2);
+    return load_bf16(tmp);
+  }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+  static void store_n(float* p, V a, int n) {
+    _mm256_maskstore_ps(p, mask8(n), a.lo);
+    _mm256_maskstore_ps(p + 8, mask8(n - 8), a.hi);
+  }
+  static V fma(V a, V b, V c) { return make(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)); }
+  static V add(V a, V b) { return make(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+  static V sub(V a, V b) { return make(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+  static V mul(V a, V b) { return make(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+  static V max(V a, V b) {  // the scalar path's a > b ? a : b
+    return make(_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ)),
+                _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)));
+  }
+  static V div(V a, V b) { return make(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+  static V select_neg(V c, V a, V b) {
+    const __m256 z = _mm256_setzero_ps();
+    return make(_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(c.lo, z, _CMP_LT_OQ)),
+                _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(c.hi, z, _CMP_LT_OQ)));
+  }
+  static V round_even(V a) {
+    return make(_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static __m256 pow2x8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V pow2(V n) { return make(pow2x8(n.lo), pow2x8(n.hi)); }
+  static float reduce(V a) {
+    const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // (0+2, 1+3)
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+};
+constexpr int MT = 3;
+constexpr int NB = 1;
+#include "float_body.h"
+
+// 8 columns (half h of a 16-column group) at a time; u8 x s8 products summed in pairs by
+// maddubs (no saturation: |products| <= 2 * 128 * 127 < 32768), then in fours by madd.
+void qlinear(const QCall& c, int64_t g0, int64_t g1) {
+  const int64_t M = c.M, nb = c.nb;
+  const int64_t tile = c.fmt == INT8 ? 512 : 256;
+  thread_local std::vector<float> accbuf;
+  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
+  float* acc = accbuf.data();
+  const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc, acc + M * 16, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = c.codes + (g * nb + b) * tile;
+      const uint16_t* dp = c.d + (g * nb + b) * 16;
+      const uint16_t* mp = c.m ? c.m + (g * nb + b) * 16 : nullptr;
+      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[8], sw[8];  // unsigned codes (or |q|), and for INT8 the signs
+        if (c.fmt == INT8) {
+          for (int q = 0; q < 8; ++q) {
+            sw[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h));
+            w[q] = _mm256_abs_epi8(sw[q]);
+          }
+        } else {
+          for (int p = 0; p < 4; ++p) {
+            const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p + 32 * h));
+            w[p] = _mm256_and_si256(r, nib);
+            w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(r, 4), nib);
+          }
+        }
+        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * h)));
+        const __m256 vm = mp ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + 8 * h)))
+                             : _mm256_setzero_ps();
+        for (int64_t r = 0; r < M; ++r) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * c.K + b * 32);
+          const int64_t rb = r * nb + b;
+          __m256i s = _mm256_setzero_si256();
+          for (int q = 0; q < 8; ++q) {
+            __m256i xv = _mm256_set1_epi32(x4[q]);
+            if (c.fmt == INT8) xv = _mm256_sign_epi8(xv, sw[q]);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[q], xv), ones));
+          }
+          s = _mm256_sub_epi32(s, _mm256_set1_epi32(c.zp * c.xs[rb]));
+          float* ap = acc + r * 16 + 8 * h;
+          __m256 a = _mm256_loadu_ps(ap);
+          a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_mul_ps(vd, _mm256_set1_ps(c.xd[rb])), _mm256_cvtepi32_ps(s)));
+          if (mp) a = _mm256_add_ps(a, _mm256_mul_ps(vm, _mm256_set1_ps(c.xsd[rb])));
+          _mm256_storeu_ps(ap, a);
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+  }
+}
+
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+// ====================================== AVX-512 =============================================
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+namespace isa_avx512 {
+
+struct V {
+  __m512 v;
+  static V make(__m512 a) { V r; r.v = a; return r; }
+  static __mmask16 live(int n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+  static V zero() { return make(_mm512_setzero_ps()); }
+  static V set1(float x) { return make(_mm512_set1_ps(x)); }
+  static V load(const float* p) { return make(_mm512_loadu_ps(p)); }
+  static V load_n(const float* p, int n) { return make(_mm512_maskz_loadu_ps(live(n), p)); }
+  static V load_bf16(const uint16_t* p) {
+    return make(_mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)));
+  }
+  static V load_bf16_n(const uint16_t* p, int n) {
+    return make(_mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live(n), p)), 16)));
+  }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+  static void store_n(float* p, V a, int n) { _mm512_mask_storeu_ps(p, live(n), a.v); }
+  static V fma(V a, V b, V c) { return make(_mm512_fmadd_ps(a.v, b.v, c.v)); }
+  static V add(V a, V b) { return make(_mm512_add_ps(a.v, b.v)); }
+  static V sub(V a, V b) { return make(_mm512_sub_ps(a.v, b.v)); }
+  static V mul(V a, V b) { return make(_mm512_mul_ps(a.v, b.v)); }
+  static V max(V a, V b) { return make(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), b.v, a.v)); }
+  static V div(V a, V b) { return make(_mm512_div_ps(a.v, b.v)); }
+  static V select_neg(V c, V a, V b) {
+    return make(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(c.v, _mm512_setzero_ps(), _CMP_LT_OQ), b.v, a.v));
+  }
+  static V round_even(V a) { return make(_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+  static V pow2(V n) {
+    return make(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23)));
+  }
+  static float reduce(V a) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+};
+constexpr int MT = 6;
+constexpr int NB = 4;
+#include "float_body.h"
+
+// 16 columns at a time: vpdpbusd multiplies unsigned weight codes by the row's signed
+// activation quad broadcast to every column. INT8 codes are made unsigned by +128 (xor 0x80),
+// which adds 128 * xs: subtracted with the zero point.
+void qlinear(const QCall& c, int64_t g0, int64_t g1) {
+  const int64_t M = c.M, nb = c.nb;
+  const int64_t tile = c.fmt == INT8 ? 512 : 256;
+  const int32_t zp = c.fmt == INT8 ? 128 : c.zp;
+  thread_local std::vector<float> accbuf;
+  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
+  float* acc = accbuf.data();
+  const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 a1 = _mm512_setzero_ps();  // the one row of a decode step stays in a register
+    if (M > 1) std::fill(acc, acc + M * 16, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = c.codes + (g * nb + b) * tile;
+      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
+      __m512i w[8];
+      if (c.fmt == INT8) {
+        for (int q = 0; q < 8; ++q) w[q] = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * q), flip);
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          const __m512i r = _mm512_loadu_si512(t + 64 * p);
+          w[p] = _mm512_and_si512(r, nib);
+          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(r, 4), nib);
+        }
+      }
+      const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.d + (g * nb + b) * 16)));
+      const __m512 vm = c.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.m + (g * nb + b) * 16)))
+                            : _mm512_setzero_ps();
+      for (int64_t r = 0; r < M; ++r) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * c.K + b * 32);
+        const int64_t rb = r * nb + b;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[q], _mm512_set1_epi32(x4[q]));
+          s1 = _mm512_dpbusd_epi32(s1, w[q + 1], _mm512_set1_epi32(x4[q + 1]));
+        }
+        __m512i s = _mm512_add_epi32(s0, s1);
+        if (zp) s = _mm512_sub_epi32(s, _mm512_set1_epi32(zp * c.xs[rb]));
+        __m512 a = M == 1 ? a1 : _mm512_loadu_ps(acc + r * 16);
+        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_set1_ps(c.xd[rb])), _mm512_cvtepi32_ps(s)));
+        if (c.m) a = _mm512_add_ps(a, _mm512_mul_ps(vm, _mm512_set1_ps(c.xsd[rb])));
+        if (M == 1) a1 = a;
+        else _mm512_storeu_ps(acc + r * 16, a);
+      }
+    }
+    if (M == 1) _mm512_storeu_ps(c.y + g * 16, a1);
+    else for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+  }
+}
+
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+// ===================================== dispatch =============================================
+
+bool cpu_has(Isa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+             __builtin_cpu_supports("fma");
+    case AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    default:
+      return true;
+  }
+}
+
+Isa best_isa() { return cpu_has(AVX512) ? AVX512 : cpu_has(AVX2) ? AVX2 : SCALAR; }
+
+Isa initial_isa() {
+  const char* env = std::getenv("EAGLE3_ISA");
+  if (env != nullptr && *env != '\0') {
+    for (int i = 0; i < 3; ++i)
+      if (std::string(env) == ISA_NAMES[i]) {
+        TORCH_CHECK(cpu_has(static_cast<Isa>(i)), "EAGLE3_ISA=", env, ": this CPU cannot run it; use one of ",
+                    cpu_has(AVX512) ? "avx512, " : "", cpu_has(AVX2) ? "avx2, " : "", "scalar");
+        return static_cast<Isa>(i);
+      }
+    TORCH_CHECK(false, "EAGLE3_ISA=", env, " is not a path; use scalar, avx2 or avx512");
+  }
+  return best_isa();
+}
+
+std::atomic<int>& current_isa() {
+  static std::atomic<int> isa{initial_isa()};
+  return isa;
+}
+
+std::string isa_name() { return ISA_NAMES[current_isa().load()]; }
+
+std::vector<std::string> isa_paths() {  // every path this CPU can run, best first
+  std::vector<std::string> out;
+  for (int i = 2; i >= 0; --i)
+    if (cpu_has(static_cast<Isa>(i))) out.push_back(ISA_NAMES[i]);
+  return out;
+}
+
+std::string set_isa(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == ISA_NAMES[i]) {
+      TORCH_CHECK(cpu_has(static_cast<Isa>(i)), "this CPU cannot run the ", name, " path");
+      return ISA_NAMES[current_isa().exchange(i)];
+    }
+  TORCH_CHECK(false, "unknown path ", name, "; use scalar, avx2 or avx512");
+  return "";
+}
+
+// ===================================== the ops ==============================================
+
+// Quantize each row of x (M, K) to int8 per block of 32, from that row alone.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s, float* sd) {
+  const int64_t nb = K / 32;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * 32;
+      float amax = 0.f;
+      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float dd = amax / 127.f;
+      const float id = dd != 0.f ? 1.f / dd : 0.f;
+      int32_t sum = 0;
+      int8_t* qb = q + r * K + b * 32;
+      for (int k = 0; k < 32; ++k) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
+        qb[k] = static_cast<int8_t>(v);
+        sum += qb[k];
+      }
+      d[r * nb + b] = dd;
+      s[r * nb + b] = sum;
+      sd[r * nb + b] = dd * static_cast<float>(sum);
+    }
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                         const at::Tensor& offset, int64_t fmt, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xsd;
+  thread_local std::vector<int32_t> xs;
+  if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
+  if (static_cast<int64_t>(xd.size()) < M * nb) { xd.resize(M * nb); xsd.resize(M * nb); xs.resize(M * nb); }
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), xsd.data());
+  auto y = at::empty({M, N}, x.options());
+  QCall c{xq.data(), xd.data(), xsd.data(), xs.data(), M, K, nb, N,
+          reinterpret_cast<const uint8_t*>(w.data_ptr()),
+          reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+          offset.numel() ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr,
+          fmt, fmt == INT4 && offset.numel() == 0 ? 8 : 0, y.data_ptr<float>()};
+  const int isa = current_isa().load();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    if (isa == AVX512) isa_avx512::qlinear(c, g0, g1);
+    else if (isa == AVX2) isa_avx2::qlinear(c, g0, g1);
+    else isa_scalar::qlinear(c, g0, g1);
+  });
+  return y;
+}
+
+template <typename W>
+void run_float(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+  const int isa = current_isa().load();
+  const int64_t nbk = isa == AVX512 ? isa_avx512::NB : isa == AVX2 ? isa_avx2::NB : isa_scalar::NB;
+  at::parallel_for(0, (N + nbk - 1) / nbk, 16, [&](int64_t b0, int64_t b1) {
+    if (isa == AVX512) isa_avx512::float_linear<W>(x, M, K, w, y, N, b0, b1);
+    else if (isa == AVX2) isa_avx2::float_linear<W>(x, M, K, w, y, N, b0, b1);
+    else isa_scalar::float_linear<W>(x, M, K, w, y, N, b0, b1);
+  });
+}
+
+at::Tensor wlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                   const at::Tensor& offset, int64_t fmt, int64_t group, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "wlinear: x must be (M, K) float32");
+  TORCH_CHECK(fmt >= F32 && fmt <= INT4, "wlinear: unknown weight format ", fmt);
+  TORCH_CHECK(w.is_contiguous(), "wlinear: the weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous();
+  if (fmt == F32 || fmt == BF16) {
+    const auto want = fmt == F32 ? at::kFloat : at::kBFloat16;
+    TORCH_CHECK(w.scalar_type() == want && w.numel() == N * K, "wlinear: a ", fmt == F32 ? "float32" : "bfloat16",
+                " weight must be (N, K) = (", N, ", ", K, ") ", fmt == F32 ? "float32" : "bfloat16");
+    auto y = at::empty({M, N}, x.options());
+    if (M > 0 && N > 0) {
+      if (fmt == F32) run_float<float>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), y.data_ptr<float>(), N);
+      else run_float<uint16_t>(xc.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                               y.data_ptr<float>(), N);
+    }
+    return y;
+  }
+  TORCH_CHECK(K % 32 == 0, "wlinear: in_features must be a multiple of 32 for packed weights, got ", K);
+  TORCH_CHECK(N % 16 == 0, "wlinear: out_features must be a multiple of 16 for packed weights, got ", N);
+  TORCH_CHECK(group == 32, "wlinear: packed weights hold one scale per block of 32 inputs, got group ", group);
+  TORCH_CHECK(w.scalar_type() == at::kByte || w.scalar_type() == at::kChar, "wlinear: packed codes must be uint8 or int8");
+  const int64_t bytes = fmt == INT4 ? N * K / 2 : N * K;
+  TORCH_CHECK(w.numel() == bytes, "wlinear: packed weight holds ", w.numel(), " bytes, expected ", bytes);
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.numel() == N * K / 32 && scale.is_contiguous(),
+              "wlinear: scales must be (N/16, K/32, 16) float16");
+  if (fmt == INT8) TORCH_CHECK(offset.numel() == 0, "wlinear: int8 weights take no offsets");
+  if (offset.numel())
+    TORCH_CHECK(offset.scalar_type() == at::kHalf && offset.numel() == N * K / 32 && offset.is_contiguous(),
+                "wlinear: offsets must be (N/16, K/32, 16) float16");
+  if (M == 0) return at::empty({0, N}, x.options());
+  return packed_linear(xc, w, scale, offset, fmt, N);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& mask, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3,
+              "attention takes q (B, nh, T, hd), k, v (B, nkv, S, hd), mask (B, T, S)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool,
+              "attention takes float32 q, k, v and a bool mask");
+  const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t nkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(mask.size(0) == B && mask.size(1) == T && mask.size(2) == S, "mask must be (B, T, S)");
+  auto out = at::empty({B, T, nh * hd}, q.options());
+  AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+             out.data_ptr<float>(), T, nh, hd, S, nh / nkv,
+             {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
+             {v.stride(0), v.stride(1), v.stride(2)}, {mask.stride(0), mask.stride(1), mask.stride(2)},
+             static_cast<float>(scale), static_cast<float>(softcap)};
+  const int isa = current_isa().load();
+  at::parallel_for(0, B * nh * T, 1, [&](int64_t i0, int64_t i1) {
+    if (isa == AVX512) isa_avx512::attention_rows(a, i0, i1);
+    else if (isa == AVX2) isa_avx2::attention_rows(a, i0, i1);
+    else isa_scalar::attention_rows(a, i0, i1);
+  });
+  return out;
+}
+
+int current_path() { return current_isa().load(); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() >= 1 &&
+              w.dim() == 1 && w.size(0) == x.size(-1), "rms_norm takes float32 x (..., H) and w (H,)");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t H = x.size(-1), M = H ? xc.numel() / H : 0;
+  const int isa = current_path();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    if (isa == AVX512) isa_avx512::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+    else if (isa == AVX2) isa_avx2::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+    else isa_scalar::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+  });
+  return y;
+}
+
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_ takes float32 x, cos, sin");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
+              "rope_ takes x (B, T, heads, hd) with hd even and contiguous");
+  const int64_t B = x.size(0), T = x.size(1), heads = x.size(2), hd = x.size(3);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+              cos.size(-1) == hd && cos.size(-2) == T && (cos.dim() == 2 || (cos.dim() == 3 && cos.size(0) == B)),
+              "rope_ takes contiguous cos, sin (T, hd) or (B, T, hd)");
+  RopeArgs a{x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, heads, hd,
+             cos.dim() == 3 ? T * hd : 0, {x.stride(0), x.stride(1), x.stride(2)}};
+  const int isa = current_path();
+  at::parallel_for(0, B * T * heads, 256, [&](int64_t i0, int64_t i1) {
+    if (isa == AVX512) isa_avx512::rope_rows(a, i0, i1);
+    else if (isa == AVX2) isa_avx2::rope_rows(a, i0, i1);
+    else isa_scalar::rope_rows(a, i0, i1);
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+              "silu_mul takes float32 [gate | up] (..., 2I)");
+  auto gc = gu.contiguous();
+  const int64_t I = gu.size(-1) / 2, M = I ? gc.numel() / (2 * I) : 0;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto y = at::empty(sizes, gu.options());
+  const int isa = current_path();
+  const float* gp = gc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    if (isa == AVX512) isa_avx512::silu_mul_rows(gp, yp, I, r0, r1);
+    else if (isa == AVX2) isa_avx2::silu_mul_rows(gp, yp, I, r0, r1);
+    else isa_scalar::silu_mul_rows(gp, yp, I, r0, r1);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(eagle3, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("wlinear(Tensor x, Tensor w, Tensor scale, Tensor offset, int fmt, int group, int N) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
+  m.def("isa() -> str", &isa_name);
+  m.def("isa_paths() -> str[]", &isa_paths);
+  m.def("set_isa(str name) -> str", &set_isa);
+}
+
+TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
+  m.impl("wlinear", &wlinear);
+  m.impl("attention", &attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+}
