@@ -224,12 +224,18 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 BLOCK_FORMATS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 
-def block_codes(tensor) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def block_codes(tensor, where: str = "GGUF file"
+                ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A Q8_0 / Q4_0 / Q4_1 tensor's codes as stored: (format, codes (N, K), scales (N, K/32),
     offsets (N, K/32) or None), so that `format`'s formula gives llama.cpp's weights."""
     qtype = tensor.tensor_type.name
     N, K = (int(n) for n in reversed(tensor.shape))
-    raw = np.asarray(tensor.data).reshape(N, -1)  # (N, bytes per row)
+    block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    raw = np.asarray(tensor.data)
+    if N <= 0 or K <= 0 or K % 32 or raw.size != N * (K // 32) * block:
+        raise Eagle3Error(f"{where}: tensor {tensor.name} ({qtype}, shape {K} x {N}) does not hold whole "
+                          "blocks of 32; the file is truncated or corrupt: re-download or re-convert it")
+    raw = raw.reshape(N, -1)  # (N, bytes per row)
     blocks = raw.reshape(N, K // 32, -1)  # (N, K/32, bytes per block)
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
@@ -299,7 +305,7 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
         if name in stub:
             permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
-            fmt, *parts = block_codes(t)
+            fmt, *parts = block_codes(t, ckpt.path)
             if permute and parts[0].shape[0] % (2 * heads) == 0:
                 parts = [p if p is None else _unpermute(p, heads) for p in parts]
             elif permute:  # a shape that does not split into heads: the full path says so
@@ -320,7 +326,7 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
                               f"not split into {heads} heads; the file is corrupt: re-download or "
                               "re-convert it")
         if blocks is not None and t.tensor_type.name in BLOCK_FORMATS and w.dim() == 2:
-            fmt, *parts = block_codes(t)
+            fmt, *parts = block_codes(t, ckpt.path)
             if permute:  # llama.cpp's permutation moves whole rows: move the codes with them
                 parts = [p if p is None else _unpermute(p, heads) for p in parts]
             blocks[name] = (fmt, *parts)
