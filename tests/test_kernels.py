@@ -512,6 +512,30 @@ def test_gguf_codes_only_load_equals_the_dequantizing_load(qtype, tmp_path):
             == Eagle3Speculator(full).generate(prompt, 16).token_ids)
 
 
+def test_a_fused_layer_of_q4_0_and_q4_1_parts_keeps_each_parts_weights():
+    """q in Q4_0 (no offsets: w = (code - 8) d) and k, v in Q4_1 fused into one qkv layer: the Q4_0
+    part takes the offset -8 d, so every row keeps the weights its GGUF type defines."""
+    from eagle3.targets.gguf import _layer
+
+    g = torch.Generator().manual_seed(3)
+    codes = {n: torch.randint(0, 16, (rows, 64), generator=g, dtype=torch.uint8)
+             for n, rows in (("q", 32), ("k", 16), ("v", 16))}
+    d = {n: (torch.rand(c.shape[0], 2, generator=g) * 0.01).half().float() for n, c in codes.items()}
+    m = {n: (-torch.rand(c.shape[0], 2, generator=g) * 0.05).half().float() for n, c in codes.items()}
+    base = "model.layers.0.self_attn."
+    blocks = {base + "q_proj.weight": ("int4", codes["q"], d["q"], None),
+              base + "k_proj.weight": ("int4", codes["k"], d["k"], m["k"]),
+              base + "v_proj.weight": ("int4", codes["v"], d["v"], m["v"])}
+    types = {base + "q_proj.weight": "Q4_0", base + "k_proj.weight": "Q4_1", base + "v_proj.weight": "Q4_1"}
+    layer = _layer(base + "qkv_proj", torch.nn.Linear(64, 64, bias=False), False, blocks, types)
+    expand = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
+    want = torch.cat([(codes["q"].float() - 8) * expand(d["q"]),
+                      codes["k"].float() * expand(d["k"]) + expand(m["k"]),
+                      codes["v"].float() * expand(d["v"]) + expand(m["v"])])
+    assert layer.fmt == "int4"
+    torch.testing.assert_close(layer.dequantized(), want, rtol=0, atol=0)
+
+
 def test_codes_only_names_takes_whole_layers_in_one_block_type():
     from eagle3.targets.gguf import codes_only_names
 
