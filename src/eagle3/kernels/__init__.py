@@ -28,6 +28,7 @@ CUDA tensors) `reference_linear` computes the same formulas in PyTorch one row a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import threading
@@ -43,10 +44,10 @@ FORMATS = ("float32", "bfloat16", "int8", "int4")
 QUANTIZE_CHOICES = ("int8", "int4")
 FMT_ID = {name: i for i, name in enumerate(FORMATS)}
 BLOCK = 32  # inputs per scale in the packed formats (GGUF's block)
-DEFAULT_INT4_GROUP = 32
 ISA_PATHS = ("avx512", "avx2", "scalar")
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "kernels.cpp", _DIR / "float_body.h")
+_SOURCE = _DIR / "kernels.cpp"
+_HEADER = _DIR / "float_body.h"
 _EMPTY = torch.empty(0)
 
 
@@ -98,9 +99,13 @@ def _build() -> str:
     # Built for the baseline x86-64: each path carries its own target attributes and is
     # chosen at run time. -ffp-contract=off: the epilogue's multiply and add must stay two
     # roundings on every path, as the PyTorch reference computes them.
+    # cpp_extension rebuilds when a listed source or a flag changes: the header's hash rides
+    # along as a define so that editing float_body.h alone rebuilds too.
+    body = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
     try:
-        load(name="eagle3_kernels", sources=[str(_SOURCES[0])], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-I{_DIR}"],
+        load(name="eagle3_kernels", sources=[str(_SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-I{_DIR}",
+                           f"-DEAGLE3_FLOAT_BODY={body}"],
              extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or headers: a failure a user must see, not a fallback
         raise Eagle3Error(f"the eagle3 kernels did not build ({str(e).splitlines()[0][:160]}); "

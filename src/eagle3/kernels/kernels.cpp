@@ -84,6 +84,16 @@ struct QCall {
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
+// Bytes of codes per 16 columns x 32 inputs.
+inline int64_t tile_bytes(int64_t fmt) { return fmt == INT8 ? 512 : 256; }
+
+// This thread's fp32 accumulators for M rows x 16 columns (grown once, never freed).
+inline float* row_accumulators(int64_t M) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < M * 16) buf.resize(M * 16);
+  return buf.data();
+}
+
 // The weights stream from DRAM once per call: ask for a block's codes and scales PREFETCH
 // blocks before they are needed (one block is 320-576 bytes; a DRAM read takes ~100 ns, a
 // block's arithmetic ~20 ns), every cache line of them. Past the end it fetches nothing harmful:
@@ -137,10 +147,8 @@ constexpr int NB = 1;
 
 void qlinear(const QCall& c, int64_t g0, int64_t g1) {
   const int64_t M = c.M, nb = c.nb;
-  const int64_t tile = c.fmt == INT8 ? 512 : 256;
-  thread_local std::vector<float> accbuf;
-  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
-  float* acc = accbuf.data();
+  const int64_t tile = tile_bytes(c.fmt);
+  float* acc = row_accumulators(M);
   int32_t w[16][32];
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc, acc + M * 16, 0.f);
@@ -186,6 +194,13 @@ void qlinear(const QCall& c, int64_t g0, int64_t g1) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
+
+// The tail of the fixed tree (float_body.h): 8 sums -> 4 (i + (i + 4)) -> 2 -> 1.
+inline float reduce8(__m256 s8) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // (0+2, 1+3)
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 
 struct V {  // lanes 0..7 in lo, 8..15 in hi
   __m256 lo, hi;
@@ -237,12 +252,7 @@ struct V {  // lanes 0..7 in lo, 8..15 in hi
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
   static V pow2(V n) { return make(pow2x8(n.lo), pow2x8(n.hi)); }
-  static float reduce(V a) {
-    const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // (0+2, 1+3)
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-  }
+  static float reduce(V a) { return reduce8(_mm256_add_ps(a.lo, a.hi)); }
 };
 constexpr int MT = 3;
 constexpr int NB = 1;
@@ -252,10 +262,8 @@ constexpr int NB = 1;
 // maddubs (no saturation: |products| <= 2 * 128 * 127 < 32768), then in fours by madd.
 void qlinear(const QCall& c, int64_t g0, int64_t g1) {
   const int64_t M = c.M, nb = c.nb;
-  const int64_t tile = c.fmt == INT8 ? 512 : 256;
-  thread_local std::vector<float> accbuf;
-  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
-  float* acc = accbuf.data();
+  const int64_t tile = tile_bytes(c.fmt);
+  float* acc = row_accumulators(M);
   const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc, acc + M * 16, 0.f);
@@ -343,11 +351,9 @@ struct V {
   static V pow2(V n) {
     return make(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23)));
   }
-  static float reduce(V a) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  static float reduce(V a) {  // lanes i + (i + 8), then the AVX2 path's tree
+    return isa_avx2::reduce8(_mm256_add_ps(_mm512_castps512_ps256(a.v),
+                                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1))));
   }
 };
 constexpr int MT = 6;
@@ -359,11 +365,9 @@ constexpr int NB = 4;
 // which adds 128 * xs: subtracted with the zero point.
 void qlinear(const QCall& c, int64_t g0, int64_t g1) {
   const int64_t M = c.M, nb = c.nb;
-  const int64_t tile = c.fmt == INT8 ? 512 : 256;
+  const int64_t tile = tile_bytes(c.fmt);
   const int32_t zp = c.fmt == INT8 ? 128 : c.zp;
-  thread_local std::vector<float> accbuf;
-  if (static_cast<int64_t>(accbuf.size()) < M * 16) accbuf.resize(M * 16);
-  float* acc = accbuf.data();
+  float* acc = row_accumulators(M);
   const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = g0; g < g1; ++g) {
     __m512 a1 = _mm512_setzero_ps();  // the one row of a decode step stays in a register

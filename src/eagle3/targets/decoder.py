@@ -128,8 +128,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     hd = q.shape[-1]
     if fused_step_ok(q, k, cos) and q.stride(-1) == k.stride(-1) == 1:
         # The same multiplies and adds as below, in place, in one op per tensor: the same bits.
-        torch.ops.eagle3.rope_(q, cos.contiguous(), sin.contiguous())
-        torch.ops.eagle3.rope_(k, cos.contiguous(), sin.contiguous())
+        cos, sin = cos.contiguous(), sin.contiguous()
+        torch.ops.eagle3.rope_(q, cos, sin)
+        torch.ops.eagle3.rope_(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
         return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
