@@ -358,6 +358,51 @@ def assert_verify_rows_equal_decode_rows(t) -> None:
             assert torch.equal(one[0, 0], tv[0, j]), f"tree node {j}"
 
 
+def layer_op_calls(fn) -> int:
+    """How many times `fn()` ran the one-op layer (`eagle3::decoder_layer`)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "eagle3::decoder_layer")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("variant,quantize", [("llama", None), ("llama", "int4"), ("llama", "bf16"),
+                                              ("llama_bias", "int8"), ("mistral", "int4"),
+                                              ("llama_mqa_head_dim", None), ("qwen2", "int4")])
+def test_the_one_op_layer_equals_the_layer_op_by_op(variant, quantize, path, tmp_path):
+    """`eagle3::decoder_layer` (a whole pre-norm layer in one C++ op) gives the logits, taps and
+    K/V bits the same layer gives run op by op from Python, for a prompt, 1-token steps, a
+    chain verify, a tree verify and a batch of 2, on every path; and it does run."""
+    make_hf_model(variant, seed=5).save_pretrained(tmp_path)
+    t = eagle3.load(str(tmp_path), "none", quantize=quantize).target
+    t.tap_layers = (1, 3, 5)
+    g = torch.Generator().manual_seed(2)
+    prompt, new = torch.randint(1, 160, (2, 9), generator=g), torch.randint(1, 160, (2, 6), generator=g)
+    tree = torch.ones(6, 15, dtype=torch.bool).tril(9)
+    tree[3, 10:12] = False  # node 3 hangs off the prompt's last token, not nodes 0-1
+
+    def run(one_op: bool) -> list[torch.Tensor]:
+        for block in t.model.layers:
+            block.fused = one_op
+        out, cache = [], t.new_cache(2, 32)
+        with torch.no_grad(), use_isa(path):
+            out += t(prompt, torch.arange(9), cache, kv_len=9)
+            out += t(new[:, :1], torch.arange(9, 10), cache, kv_len=10)
+            out += t(new, torch.arange(10, 16), cache, kv_len=16)
+            out += t(new, torch.arange(9, 15), cache, kv_len=15, attn_mask=tree,
+                     rope_pos=torch.tensor([9, 10, 11, 10, 11, 12]))
+            out += t(new[:1, 2:5], torch.arange(15, 18), t.new_cache(1, 32), kv_len=18,
+                     attn_mask=torch.ones(3, 18, dtype=torch.bool))
+        return out + cache.k + cache.v
+
+    calls = layer_op_calls(lambda: run(True))
+    assert calls == 5 * 6  # every call, in each of 6 layers
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_speculative_equals_plain_in_each_format(llama_dir, quantize):
     from eagle3.draft import attach_head, random_head

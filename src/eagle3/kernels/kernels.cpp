@@ -653,9 +653,59 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// One projection of `decoder_layer`: [w, scale, offset, bias] as a QLinear holds them (bias
+// empty when none), its format and out_features. y = x W^T (+ bias), the bias added after.
+at::Tensor project(const at::Tensor& x, at::TensorList p, int64_t fmt, int64_t N) {
+  TORCH_CHECK(p.size() == 4, "decoder_layer: a projection is [w, scale, offset, bias]");
+  auto y = wlinear(x, p[0], p[1], p[2], fmt, 32, N);
+  if (p[3].numel()) y.add_(p[3]);
+  return y;
+}
+
+// A Llama-family pre-norm layer on the row-invariant path, as one op: the same kernels, in the
+// same order, as `targets.decoder.Block.forward` calls them one by one (RMSNorm, qkv, RoPE on q
+// and k, K/V written at input_pos, attention over slots [0, kv_len), o, residual, RMSNorm,
+// gate_up, SwiGLU, down, residual), so the same bits; what it saves is the ~20 Python-level
+// ops per layer around them. h (B, T, H); cos, sin (T, hd); caches (B, nkv, S_max, hd);
+// mask (T, kv_len) bool. projections: qkv, o, gate_up, down; fmts, ns: their formats and N.
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
+                         at::TensorList qkv_p, at::TensorList o_p, at::TensorList gu_p,
+                         at::TensorList down_p, at::IntArrayRef fmts, at::IntArrayRef ns,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& input_pos, const at::Tensor& mask,
+                         int64_t kv_len, int64_t nh, int64_t nkv, double eps, double scale,
+                         double softcap) {
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat, "decoder_layer: h must be (B, T, H) float32");
+  TORCH_CHECK(fmts.size() == 4 && ns.size() == 4, "decoder_layer: four projections");
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2), M = B * T;
+  const int64_t hd = k_cache.size(3);
+  TORCH_CHECK(ns[0] == (nh + 2 * nkv) * hd && ns[1] == H && ns[3] == H,
+              "decoder_layer: projection sizes do not match the heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == nkv && kv_len <= k_cache.size(2),
+              "decoder_layer: caches must be (B, nkv, S, hd) with S >= kv_len");
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == kv_len, "decoder_layer: mask must be (T, kv_len)");
+  auto x = rms_norm(h, ln1, eps, false);  // (B, T, H)
+  auto qkv = project(x.view({M, H}), qkv_p, fmts[0], ns[0]);  // (M, (nh + 2 nkv) hd)
+  auto q = qkv.narrow(1, 0, nh * hd).view({B, T, nh, hd});
+  auto k = qkv.narrow(1, nh * hd, nkv * hd).view({B, T, nkv, hd});
+  auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({B, T, nkv, hd});
+  rope_(q, cos, sin);
+  rope_(k, cos, sin);
+  k_cache.index_copy_(2, input_pos, k.transpose(1, 2));
+  v_cache.index_copy_(2, input_pos, v.transpose(1, 2));
+  auto attn = attention(q.transpose(1, 2), k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len),
+                        mask.reshape({-1, T, kv_len}).expand({B, T, kv_len}), scale, softcap);  // (B, T, nh hd)
+  auto h1 = h + project(attn.view({M, nh * hd}), o_p, fmts[1], ns[1]).view({B, T, H});
+  auto gu = project(rms_norm(h1, ln2, eps, false).view({M, H}), gu_p, fmts[2], ns[2]);  // (M, 2I)
+  return h1 + project(silu_mul(gu), down_p, fmts[3], ns[3]).view({B, T, H});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(eagle3, m) {
+  m.def("decoder_layer(Tensor h, Tensor ln1, Tensor ln2, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
+        "Tensor[] down, int[] fmts, int[] ns, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor input_pos, Tensor mask, int kv_len, int nh, int nkv, float eps, float scale, float softcap) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -672,4 +722,5 @@ TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("decoder_layer", &decoder_layer);
 }

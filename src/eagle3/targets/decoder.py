@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import fused_step_ok
+from ..kernels import FMT_ID, QLinear, fused_step_ok, in_prefill
 from ..kv import StaticKVCache
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
 from .protocol import default_taps, validate_taps
@@ -225,11 +225,52 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
         self.gemma = gemma
+        self.fused = False
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
 
+    @property
+    def fused(self) -> bool:
+        """`kernels.use_fused_steps`: run the whole layer as one C++ op where it can."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused, self._step_args = on, None
+
+    def _apply(self, fn, recurse=True):  # .to() replaces the tensors `_step_args` holds
+        self._step_args = None
+        return super()._apply(fn, recurse)
+
+    def step_args(self) -> tuple | None:
+        """The weights `eagle3::decoder_layer` takes, or None where this layer is not a plain
+        pre-norm SwiGLU layer with fused projections in `QLinear`s (it then runs op by op)."""
+        if self._step_args is None:
+            attn, mlp = self.self_attn, self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (self.gemma or attn.q_norm is not None or mlp.gelu
+                    or not all(isinstance(m, QLinear) for m in linears)):
+                self._step_args = ()
+            else:
+                parts = [[m.w, m.scale, m.offset, m.bias if m.bias is not None else m.offset[:0]]
+                         for m in linears]
+                self._step_args = (*parts, [FMT_ID[m.fmt] for m in linears],
+                                   [m.out_features for m in linears])
+        return self._step_args or None
+
     def forward(self, h: torch.Tensor, *attn_args) -> torch.Tensor:
+        if self._fused:
+            cos, sin, mask, input_pos, cache, kv_len = attn_args
+            if (type(cache) is StaticKVCache and cache.exact and cos.dim() == 2 and mask.dim() == 2
+                    and not in_prefill() and fused_step_ok(h, cos) and self.step_args()):
+                a = self.self_attn
+                qkv, o, gate_up, down, fmts, ns = self._step_args
+                return torch.ops.eagle3.decoder_layer(
+                    h, self.input_layernorm.weight, self.post_attention_layernorm.weight, qkv, o,
+                    gate_up, down, fmts, ns, cos.contiguous(), sin.contiguous(), cache.k[a.layer],
+                    cache.v[a.layer], input_pos, mask, kv_len, a.n_heads, a.n_kv,
+                    self.input_layernorm.eps, a.scale, a.softcap or 0.0)
         a = self.self_attn(self.input_layernorm(h), *attn_args)
         if self.gemma:
             h = h + self.post_attention_layernorm(a)
