@@ -112,6 +112,9 @@ class Eagle3Draft(nn.Module):
                              if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.max_len = max_len
+        # `kernels.use_fused_steps` (a target on the row-invariant path): the head's caches then
+        # attend through the attention kernel, which beats SDPA's per-call cost at one query row.
+        self.fused = False
         self.build_buffers()
 
     def build_buffers(self, max_len: int | None = None) -> None:
@@ -132,7 +135,7 @@ class Eagle3Draft(nn.Module):
         cfg = self.config
         w = self.norm.weight
         return StaticKVCache(1, batch_size, cfg.num_key_value_heads, max_len or self.max_len,
-                             cfg.head_dim, dtype=w.dtype, device=w.device)
+                             cfg.head_dim, dtype=w.dtype, device=w.device, exact=self.fused)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """Target taps (B, T, n*Ht) -> draft feature g (B, T, H)."""
