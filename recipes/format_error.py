@@ -6,7 +6,8 @@ The float32 target decodes each prompt greedily; every format then reads the sam
 (prompt, then the continuation 9 tokens per call: the verify path, whose rows equal 1-token
 decode rows bitwise) and its logits at the continuation's positions are compared with
 float32's: max / mean absolute error, and how often its argmax agrees (greedy agreement).
-FORMATS: comma-separated `quantize` values (default bf16,int8,int4,gguf).
+FORMATS: comma-separated `quantize` values (default bf16,int8,int4,gguf), each optionally with
+the KV cache's dtype: `gguf@kv=float32`, `fp32@kv=bfloat16` (default: the target's own).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def main() -> None:
     out = {"prompts": n, "new_tokens": new, "reference": "fp32", "mean_abs_logit": round(mean_abs_logit, 3),
            "formats": {}}
     for fmt in formats:
-        t = eagle3.load("default", "none", quantize=fmt).target
+        quantize, _, kv = fmt.partition("@kv=")
+        t = eagle3.load("default", "none", quantize=quantize).target
+        if kv:
+            t.kv_dtype = getattr(torch, kv)
         err_max, err_sum, agree, total = 0.0, 0.0, 0, 0
         for ids, cont, want in cases:
             got = continuation_logits(t, ids, cont)
@@ -62,7 +66,9 @@ def main() -> None:
             err_max, err_sum = max(err_max, float(d.max())), err_sum + float(d.mean()) * d.shape[0]
             agree += int((got.argmax(-1) == want.argmax(-1)).sum())
             total += d.shape[0]
-        out["formats"][fmt] = {"weight_format": t.weight_format, "max_abs_error": round(err_max, 4),
+        out["formats"][fmt] = {"weight_format": t.weight_format,
+                               "kv_dtype": str(t.new_cache(1, 1).k[0].dtype).removeprefix("torch."),
+                               "max_abs_error": round(err_max, 4),
                                "mean_abs_error": round(err_sum / total, 5),
                                "greedy_agreement": round(agree / total, 4), "positions": total}
         print(f"{fmt}: {out['formats'][fmt]}", file=sys.stderr, flush=True)

@@ -234,6 +234,16 @@ def test_attention_rows_are_independent_of_the_call(hd, softcap, path):
         out = masked_attention(q, k, v, mask, 0.3, softcap, exact=True)
     with use_isa("scalar"):
         assert torch.equal(out, masked_attention(q, k, v, mask, 0.3, softcap, exact=True))
+    # A bf16 cache: the kernel reads each element widened exactly, so it equals the float32
+    # kernel on the same (bf16-valued) keys bit for bit, on this path and on the scalar one.
+    kb, vb = k.bfloat16(), v.bfloat16()
+    with use_isa(path):
+        out = masked_attention(q, kb, vb, mask, 0.3, softcap, exact=True)
+        assert torch.equal(out, masked_attention(q, kb.float(), vb.float(), mask, 0.3, softcap, exact=True))
+    with use_isa("scalar"):
+        assert torch.equal(out, masked_attention(q, kb, vb, mask, 0.3, softcap, exact=True))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.eagle3.attention(q, kb, v, mask[None], 0.3, 0.0)
 
 
 def check_attention_rows(hd, softcap):
@@ -494,6 +504,56 @@ def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
     want = plain.generate(prompt, 30).token_ids
     assert s.generate(prompt, 30, num_draft_tokens=4).token_ids == want
     assert s.generate(prompt, 30, tree=True).token_ids == want
+
+
+@pytest.mark.parametrize("fmt,group", CASES)
+def test_rows_read_from_the_codes_equal_the_dequantized_weight(fmt, group):
+    """`QLinear.rows` (the token lookup of a tied LM head held as codes) gives the rows of
+    `dequantized()` bit for bit, in any order and with repeats."""
+    q = make_layer(fmt, linear(64, 128, seed=4), group)
+    ids = torch.tensor([0, 63, 17, 16, 15, 17, 40])
+    assert torch.equal(q.rows(ids), q.dequantized()[ids])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_tied_gguf_table_is_looked_up_in_its_codes(qtype, tmp_path):
+    """A tied GGUF target on its codes keeps no float32 embedding table: tokens are looked up in
+    the LM head's codes (the same values as the file dequantized), a head that ships no
+    embedding shares that lookup, and decoding is unchanged and lossless."""
+    import gguf
+
+    from eagle3.draft import attach_head, random_head
+    from eagle3.speculator import Eagle3Speculator
+    from eagle3.targets.decoder import CodesEmbedding
+    from gguf_files import write_gguf
+
+    path = str(tmp_path / f"tied-{qtype}.gguf")
+    write_gguf(make_hf_model("llama_tied", seed=6), path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    codes = eagle3.load(path, "none", quantize="gguf").target
+    table = eagle3.load(path, "none", quantize="fp32").target  # gguf's dequantized table
+    assert isinstance(codes.model.embed_tokens, CodesEmbedding)
+    assert not isinstance(table.model.embed_tokens, CodesEmbedding)
+    assert "model.embed_tokens.weight" not in codes.state_dict()
+    ids = torch.tensor([[0, 159, 7, 7, 80]])
+    assert torch.equal(codes.embed(ids), table.embed(ids))
+    head = random_head(codes, taps=(1, 3, 5), seed=9)
+    attach_head(head, codes)
+    assert head.embed_tokens is codes.model.embed_tokens
+    s, plain = Eagle3Speculator(codes, head), Eagle3Speculator(codes)
+    prompt = [5, 99, 31, 2, 140, 77]
+    want = plain.generate(prompt, 24, stop_token_ids=[]).token_ids
+    assert s.generate(prompt, 24, num_draft_tokens=3, stop_token_ids=[]).token_ids == want
+    assert s.generate(prompt, 24, tree=True, stop_token_ids=[]).token_ids == want
+    # A float table that the codes only approximate (a checkpoint quantized at load) stays.
+    make_hf_model("llama_tied", seed=6).save_pretrained(tmp_path / "st")
+    requantized = eagle3.load(str(tmp_path / "st"), "none", quantize="int8").target
+    assert not requantized.embed_from_codes()
+    assert not isinstance(requantized.model.embed_tokens, CodesEmbedding)
+    # An untied file keeps its table: the LM head's codes are another tensor.
+    untied = str(tmp_path / "untied.gguf")
+    write_gguf(make_hf_model("llama", seed=6), untied, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    assert not isinstance(eagle3.load(untied, "none", quantize="gguf").target.model.embed_tokens,
+                          CodesEmbedding)
 
 
 def test_auto_format_is_the_files_own_for_quantized_gguf(tmp_path, llama_dir):

@@ -95,6 +95,7 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
             quantize = "gguf" if codes_only and stored_quantized(tgt) else None
         prepare_target(tgt, quantize, head, gguf_layers(tgt))
         if codes_only:
+            tgt.embed_from_codes(head)  # a tied Q8_0 / Q4 table: no float32 copy
             check_built(tgt)
         return_freed_memory()
     elif quantize not in (None, "none", "auto"):

@@ -28,6 +28,8 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if exact and row_invariant_attention(q):
         m = mask.reshape(-1, T, mask.shape[-1]).expand(B, T, mask.shape[-1])  # (B, T, S)
         return torch.ops.eagle3.attention(q, keys, values, m, scale, softcap or 0.0)
+    if keys.dtype != q.dtype:  # a bf16 cache under float32 queries (a prompt's stock kernels)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     if softcap is None:
         # enable_gqa: grouped heads without copying K/V (faster here than folding the groups
         # into rows, and its output views stay exportable with a dynamic T).
@@ -93,9 +95,10 @@ class StaticKVCache(SlotBook):
 
     def update(self, layer: int, input_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv, T, hd) at slots `input_pos` (T,); return the layer's full K, V."""
-        self.k[layer].index_copy_(2, input_pos, k)
-        self.v[layer].index_copy_(2, input_pos, v)
+        """Write k, v (B, n_kv, T, hd) at slots `input_pos` (T,) (rounded to the cache's dtype);
+        return the layer's full K, V."""
+        self.k[layer].index_copy_(2, input_pos, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

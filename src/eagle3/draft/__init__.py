@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..errors import Eagle3Error
+from ..targets.decoder import table_embedding
 from ..targets.protocol import TapTarget, default_taps, validate_taps
 from .formats import FORMATS, convert_head, detect_format, load_head, parse_head_config, save_head
 from .model import DraftConfig, Eagle3Draft
@@ -42,13 +42,13 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
         raise Eagle3Error(f"{where}: fc takes {cfg.num_taps} taps but the config names {len(taps)}")
     head.tap_layers = taps
     if head.embed_tokens is None:
-        table = target.embedding_weight
-        if tuple(table.shape) != (cfg.vocab_size, cfg.hidden_size):
+        shared = getattr(target, "shared_embedding", None)  # a native target's (maybe its codes)
+        emb = shared() if shared is not None else table_embedding(target.embedding_weight)
+        if (emb.num_embeddings, emb.embedding_dim) != (cfg.vocab_size, cfg.hidden_size):
             raise Eagle3Error(f"{where} ships no embed_tokens and the target's embedding table is "
-                              f"{tuple(table.shape)}, not ({cfg.vocab_size}, {cfg.hidden_size}); "
-                              "this head needs its own embedding (or belongs to another target)")
-        emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
-        emb.weight = table if isinstance(table, nn.Parameter) else nn.Parameter(table, requires_grad=False)
+                              f"{(emb.num_embeddings, emb.embedding_dim)}, not ({cfg.vocab_size}, "
+                              f"{cfg.hidden_size}); this head needs its own embedding (or belongs "
+                              "to another target)")
         head.embed_tokens = emb
     if head.embed_tokens.weight.dtype != head.dtype:
         raise Eagle3Error(f"{where}: embedding dtype {head.embed_tokens.weight.dtype} differs from the "

@@ -128,8 +128,9 @@ class PagedKV:
         """Write k, v (B, nkv, T, hd) at `write_slots` (B, T); return the rows' K, V (B, nkv, S, hd)."""
         B, nkv, T, hd = k.shape
         flat = write_slots.reshape(-1)
-        self.k[layer].index_copy_(0, flat, k.transpose(1, 2).reshape(B * T, nkv, hd))
-        self.v[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, nkv, hd))
+        dt = self.k[layer].dtype  # a bf16 pool rounds each element alone, as the static cache does
+        self.k[layer].index_copy_(0, flat, k.transpose(1, 2).reshape(B * T, nkv, hd).to(dt))
+        self.v[layer].index_copy_(0, flat, v.transpose(1, 2).reshape(B * T, nkv, hd).to(dt))
         read = self.read_slots
         S = read.shape[1]
         if self.read_start is not None:  # no copy: the row's K/V are one slice of the pool
@@ -213,8 +214,8 @@ class PagedBackend:
         self.has_draft = draft is not None
         self.vocab_size = target.config.vocab_size
         self.tkv = PagedKV(cfg.num_hidden_layers, pool.total_tokens, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype=w.dtype, device=w.device,
-                           exact=getattr(target, "exact", False))
+                           cfg.head_dim, dtype=getattr(target, "kv_dtype", None) or w.dtype,
+                           device=w.device, exact=getattr(target, "exact", False))
         self.dkv = None
         if draft is not None:
             dc = draft.config

@@ -299,6 +299,30 @@ class QLinear(nn.Module):
             w = (codes - 8) * scale
         return w.reshape(N, K)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the weight, (n, K) float32, dequantized as `dequantized()` does
+        (the same values), read from the packed tiles: a tied LM head serves the token lookup
+        from its codes, with no float32 copy of the table."""
+        N, K = self.out_features, self.in_features
+        if self.fmt in ("float32", "bfloat16"):
+            return self.w[ids].float()
+        n, nb = ids.shape[0], K // BLOCK
+        g, c = ids // 16, ids % 16
+        if self.fmt == "int8":  # tiles (N/16, nb, quad, column, 4)
+            codes = self.w.view(torch.int8).reshape(N // 16, nb, 8, 16, 4)[g, :, :, c, :]
+            codes = codes.reshape(n, nb, BLOCK).float()  # (n, nb, 8, 4): inputs in order
+        else:  # tiles (N/16, nb, p, column, 4): low nibble input 4p + j, high 16 + 4p + j
+            t = self.w.reshape(N // 16, nb, 4, 16, 4)[g, :, :, c, :]  # (n, nb, 4, 4)
+            codes = torch.stack([t & 15, t >> 4], dim=2).reshape(n, nb, BLOCK).float()
+        d = self.scale[g, :, c].float()[..., None]  # (n, nb, 1)
+        if self.fmt == "int8":
+            w = codes * d
+        elif self.offset.numel():
+            w = codes * d + self.offset[g, :, c].float()[..., None]
+        else:
+            w = (codes - 8) * d
+        return w.reshape(n, K)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.offset))
@@ -508,6 +532,10 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
         quantize_model(target, fmt, group)
     target.exact = dev.type == "cpu" and kernel_available()
     use_fused_steps(target, draft, on=target.exact)
+    # bf16 KV with packed weights: half the cache's bytes (faster past ~1k positions) for an
+    # error ~10x below int8 activations' (README, "KV cache in bf16"); float weights keep fp32.
+    if hasattr(target, "kv_dtype"):
+        target.kv_dtype = torch.bfloat16 if target.exact and fmt in ("int8", "int4", "gguf") else None
     target.weight_format = fmt if group is None or fmt not in QUANTIZE_CHOICES else f"{fmt}-g{group}"
     if draft is not None and fmt != "float32":  # the head only proposes: speed, not exactness
         quantize_model(draft, "int4" if fmt == "gguf" else fmt, group)
@@ -533,4 +561,6 @@ def to_stock_layers(model: nn.Module) -> None:
             setattr(parent, name, lin)
     if hasattr(model, "exact"):
         model.exact, model.weight_format = False, None
+    if hasattr(model, "kv_dtype"):
+        model.kv_dtype = None
     use_fused_steps(model, on=False)

@@ -109,6 +109,9 @@ inline V exp_neg(V x) {
 // mask[b, t, s] allows) @ v[b, h/g]. Masked keys are skipped, not zeroed, and the allowed
 // keys are visited in slot order, so a row's result depends only on its query and the keys
 // it may see, whatever sits in the masked slots and however long the cache is.
+// KV is float32 or bf16 (W = uint16_t: each element rounded alone when written, so a row's
+// keys are the same whatever else the call holds).
+template <typename W>
 void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
   const int64_t T = a.T, nh = a.nh, hd = a.hd, S = a.S;
   thread_local std::vector<float> sbuf;
@@ -120,8 +123,8 @@ void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t b = i / (nh * T), h = (i / T) % nh, t = i % T, kh = h / a.group;
     const float* qr = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
-    const float* kb = a.k + b * a.ks[0] + kh * a.ks[1];
-    const float* vb = a.v + b * a.vs[0] + kh * a.vs[1];
+    const W* kb = static_cast<const W*>(a.k) + b * a.ks[0] + kh * a.ks[1];
+    const W* vb = static_cast<const W*>(a.v) + b * a.vs[0] + kh * a.vs[1];
     const bool* mr = a.mask + b * a.ms[0] + t * a.ms[1];
     int64_t n = 0;
     for (int64_t s = 0; s < S; ++s)
@@ -133,11 +136,11 @@ void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
     }
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = kb + kp[j] * a.ks[2];
+      const W* kr = kb + kp[j] * a.ks[2];
       V acc = V::zero();
       int64_t d = 0;
-      for (; d + 16 <= hd; d += 16) acc = V::fma(V::load(qr + d), V::load(kr + d), acc);
-      if (d < hd) acc = V::fma(V::load_n(qr + d, hd - d), V::load_n(kr + d, hd - d), acc);
+      for (; d + 16 <= hd; d += 16) acc = V::fma(V::load(qr + d), load_w<W>(kr + d), acc);
+      if (d < hd) acc = V::fma(V::load_n(qr + d, hd - d), load_w_n<W>(kr + d, hd - d), acc);
       float x = V::reduce(acc) * a.scale;
       if (a.softcap > 0.f) x = std::tanh(x / a.softcap) * a.softcap;
       sb[j] = x;
@@ -153,7 +156,7 @@ void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
       const int live = static_cast<int>(std::min<int64_t>(16, hd - d));
       V acc = V::zero();
       for (int64_t j = 0; j < n; ++j)
-        acc = V::fma(V::set1(sb[j]), V::load_n(vb + kp[j] * a.vs[2] + d, live), acc);
+        acc = V::fma(V::set1(sb[j]), load_w_n<W>(vb + kp[j] * a.vs[2] + d, live), acc);
       V::store_n(o + d, V::mul(acc, inv), live);
     }
   }

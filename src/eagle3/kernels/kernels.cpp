@@ -52,7 +52,8 @@ enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 const char* const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
 
 struct AttnArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // float32 or bf16 (uint16_t), both the same
   const bool* mask;
   float* out;
   int64_t T, nh, hd, S, group;
@@ -570,25 +571,33 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& mask, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3,
               "attention takes q (B, nh, T, hd), k, v (B, nkv, S, hd), mask (B, T, S)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-              v.scalar_type() == at::kFloat && mask.scalar_type() == at::kBool,
-              "attention takes float32 q, k, v and a bool mask");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+              mask.scalar_type() == at::kBool,
+              "attention takes float32 q, float32 or bfloat16 k and v (the same), and a bool mask");
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
   const int64_t nkv = k.size(1), S = k.size(2);
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "query heads must be a multiple of key/value heads");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous");
   TORCH_CHECK(mask.size(0) == B && mask.size(1) == T && mask.size(2) == S, "mask must be (B, T, S)");
   auto out = at::empty({B, T, nh * hd}, q.options());
-  AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+  AttnArgs a{q.data_ptr<float>(), k.data_ptr(), v.data_ptr(), mask.data_ptr<bool>(),
              out.data_ptr<float>(), T, nh, hd, S, nh / nkv,
              {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
              {v.stride(0), v.stride(1), v.stride(2)}, {mask.stride(0), mask.stride(1), mask.stride(2)},
              static_cast<float>(scale), static_cast<float>(softcap)};
   const int isa = current_isa().load();
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
   at::parallel_for(0, B * nh * T, 1, [&](int64_t i0, int64_t i1) {
-    if (isa == AVX512) isa_avx512::attention_rows(a, i0, i1);
-    else if (isa == AVX2) isa_avx2::attention_rows(a, i0, i1);
-    else isa_scalar::attention_rows(a, i0, i1);
+    if (bf16) {
+      if (isa == AVX512) isa_avx512::attention_rows<uint16_t>(a, i0, i1);
+      else if (isa == AVX2) isa_avx2::attention_rows<uint16_t>(a, i0, i1);
+      else isa_scalar::attention_rows<uint16_t>(a, i0, i1);
+    } else {
+      if (isa == AVX512) isa_avx512::attention_rows<float>(a, i0, i1);
+      else if (isa == AVX2) isa_avx2::attention_rows<float>(a, i0, i1);
+      else isa_scalar::attention_rows<float>(a, i0, i1);
+    }
   });
   return out;
 }
@@ -691,8 +700,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
   auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({B, T, nkv, hd});
   rope_(q, cos, sin);
   rope_(k, cos, sin);
-  k_cache.index_copy_(2, input_pos, k.transpose(1, 2));
-  v_cache.index_copy_(2, input_pos, v.transpose(1, 2));
+  k_cache.index_copy_(2, input_pos, k.transpose(1, 2).to(k_cache.scalar_type()));
+  v_cache.index_copy_(2, input_pos, v.transpose(1, 2).to(v_cache.scalar_type()));
   auto attn = attention(q.transpose(1, 2), k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len),
                         mask.reshape({-1, T, kv_len}).expand({B, T, kv_len}), scale, softcap);  // (B, T, nh hd)
   auto h1 = h + project(attn.view({M, nh * hd}), o_p, fmts[1], ns[1]).view({B, T, H});

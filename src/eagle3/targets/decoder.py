@@ -289,6 +289,31 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
+def table_embedding(table: torch.Tensor) -> nn.Embedding:
+    """An `nn.Embedding` over `table` (V, H) itself, not a copy."""
+    emb = nn.Embedding(*table.shape, device="meta")
+    emb.weight = table if isinstance(table, nn.Parameter) else nn.Parameter(table, requires_grad=False)
+    return emb
+
+
+class CodesEmbedding(nn.Module):
+    """The token lookup of a tied target whose LM head holds packed codes (`QLinear`): rows
+    dequantized from those codes as needed (`QLinear.rows`), instead of a float32 table
+    (113 MB for SmolLM2's 49152 x 576). Holds no weights of its own: the LM head's are read
+    where they live, so the state dict names them once. `weight` is an empty float32 tensor
+    on the codes' device, for callers that probe the table's dtype and device."""
+
+    def __init__(self, lm_head: QLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = lm_head.out_features, lm_head.in_features
+        self._source = [lm_head]  # a list: not a submodule, so not saved or moved twice
+        self.register_buffer("weight", torch.empty(0, device=lm_head.w.device), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self._source[0].rows(tokens.reshape(-1))  # (B*T, H)
+        return rows.view(*tokens.shape, self.embedding_dim)
+
+
 class NativeTarget(nn.Module):
     """A `TapTarget` implemented in plain PyTorch with a static KV cache."""
 
@@ -309,6 +334,10 @@ class NativeTarget(nn.Module):
         self.weight_format: str | None = None  # a `kernels.FORMATS` name once prepared
         self.gguf_blocks: dict | None = None  # a GGUF file's codes, until prepared (load_gguf)
         self.gguf_types: dict | None = None
+        # The KV cache's dtype (None: the weights' dtype). `kernels.prepare_target` sets bf16 for
+        # the packed formats: half the cache's memory and reads, each element rounded alone
+        # (row-invariant), an error far below int8 activations' (README, "KV cache in bf16").
+        self.kv_dtype: torch.dtype | None = None
         if taps is not None:
             self.tap_layers = taps
 
@@ -347,14 +376,49 @@ class NativeTarget(nn.Module):
 
     @property
     def embedding_weight(self) -> torch.Tensor:
-        """The raw token embedding table (V, H), shared with heads that ship none."""
+        """The raw token embedding table (V, H), shared with heads that ship none; an empty
+        tensor of its dtype and device once the lookup reads the LM head's codes
+        (`embed_from_codes`)."""
         return self.model.embed_tokens.weight
+
+    def shared_embedding(self) -> nn.Module:
+        """The token lookup a head that ships no embedding shares: this target's own module
+        when it reads codes, else an `nn.Embedding` over the same table (no copy)."""
+        if isinstance(self.model.embed_tokens, CodesEmbedding):
+            return self.model.embed_tokens
+        return table_embedding(self.model.embed_tokens.weight)
+
+    @torch.no_grad()
+    def embed_from_codes(self, *heads: nn.Module | None) -> bool:
+        """For a tied target whose LM head holds packed codes equal to its float32 table (a GGUF
+        file's Q8_0 / Q4_0 / Q4_1 token_embd, loaded with its codes): look tokens up in those
+        codes and free the table; heads sharing the table share the new lookup. A table loaded
+        in float32 is checked against the codes row block by row block first, so no embedding
+        value changes; a `placeholder` table (the loader kept only the file's codes) is taken
+        as those codes. Returns whether it did."""
+        head, table = self.lm_head, self.model.embed_tokens.weight
+        if (not isinstance(head, QLinear) or head.fmt not in ("int8", "int4")
+                or isinstance(self.model.embed_tokens, CodesEmbedding)
+                or tuple(table.shape) != (head.out_features, head.in_features)):
+            return False
+        for i in range(0, 0 if is_placeholder(table) else table.shape[0], 4096):
+            ids = torch.arange(i, min(i + 4096, table.shape[0]), device=table.device)
+            if not torch.equal(head.rows(ids), table[i:i + 4096].float()):
+                return False
+        codes = CodesEmbedding(head)
+        for h in heads:
+            if h is not None and getattr(h, "embed_tokens", None) is not None and \
+                    h.embed_tokens.weight.untyped_storage().data_ptr() == table.untyped_storage().data_ptr():
+                h.embed_tokens = codes
+        self.model.embed_tokens = codes
+        return True
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> StaticKVCache:
         cfg = self.config
         return StaticKVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads,
                              max_len or cfg.max_seq_len, cfg.head_dim,
-                             dtype=self.embedding_weight.dtype, device=self.embedding_weight.device,
+                             dtype=self.kv_dtype or self.embedding_weight.dtype,
+                             device=self.embedding_weight.device,
                              exact=self.exact)
 
     def truncate_cache(self, cache: StaticKVCache, length: int) -> None:

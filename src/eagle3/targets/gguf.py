@@ -253,16 +253,19 @@ def block_codes(tensor, where: str = "GGUF file"
 def codes_only_names(named: list[tuple[str, str, tuple[int, int]]]) -> set[str]:
     """The linear weights `quantize='gguf'` will build from their codes alone, given
     (HF name, GGUF type, (N, K)): every part of a (fused) layer stored in one block type whose
-    shape the packed layout holds. The embedding table is never one (the lookup reads it)."""
+    shape the packed layout holds. A tied embedding table is one too: the LM head is built from
+    its codes, and the token lookup reads them (`NativeTarget.embed_from_codes`); an untied
+    table is not (no layer holds its codes)."""
     from ..kernels import check_shape
     from .decoder import FUSED_PARTS
 
     part_of = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
     groups: dict[str, list[tuple[str, str, tuple[int, int]]]] = {}
+    tied = not any(name == "lm_head.weight" for name, _, _ in named)
     for name, kind, shape in named:
         base, _, leaf = name.removesuffix(".weight").rpartition(".")
         linear = name.startswith("model.layers.") and leaf.endswith("_proj")
-        if not (linear or name == "lm_head.weight"):  # an untied LM head (a tied one reads the table)
+        if not (linear or name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight")):
             continue
         groups.setdefault(f"{base}.{part_of.get(leaf, leaf)}", []).append((name, kind, shape))
     keep = set()
