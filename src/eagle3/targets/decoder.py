@@ -244,8 +244,9 @@ class Block(nn.Module):
         return super()._apply(fn, recurse)
 
     def step_args(self) -> tuple | None:
-        """The weights `eagle3::decoder_layer` takes, or None where this layer is not a plain
-        pre-norm SwiGLU layer with fused projections in `QLinear`s (it then runs op by op)."""
+        """What `eagle3::decoder_layer` takes besides the activations, cache and positions, or
+        None where this layer is not a plain pre-norm SwiGLU layer with fused projections in
+        `QLinear`s (it then runs op by op). Built once (the flag's setter and `.to()` reset it)."""
         if self._step_args is None:
             attn, mlp = self.self_attn, self.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -255,28 +256,38 @@ class Block(nn.Module):
             else:
                 parts = [[m.w, m.scale, m.offset, m.bias if m.bias is not None else m.offset[:0]]
                          for m in linears]
-                self._step_args = (*parts, [FMT_ID[m.fmt] for m in linears],
+                self._step_args = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                   *parts, [FMT_ID[m.fmt] for m in linears],
                                    [m.out_features for m in linears])
         return self._step_args or None
 
+    def one_op(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
+        """This layer as `eagle3::decoder_layer` (callers check `step_args()` and `one_op_ok`)."""
+        a = self.self_attn
+        return torch.ops.eagle3.decoder_layer(
+            h, *self._step_args, cos, sin, cache.k[a.layer], cache.v[a.layer], input_pos, mask,
+            kv_len, a.n_heads, a.n_kv, self.input_layernorm.eps, a.scale, a.softcap or 0.0)
+
     def forward(self, h: torch.Tensor, *attn_args) -> torch.Tensor:
-        if self._fused:
-            cos, sin, mask, input_pos, cache, kv_len = attn_args
-            if (type(cache) is StaticKVCache and cache.exact and cos.dim() == 2 and mask.dim() == 2
-                    and not in_prefill() and fused_step_ok(h, cos) and self.step_args()):
-                a = self.self_attn
-                qkv, o, gate_up, down, fmts, ns = self._step_args
-                return torch.ops.eagle3.decoder_layer(
-                    h, self.input_layernorm.weight, self.post_attention_layernorm.weight, qkv, o,
-                    gate_up, down, fmts, ns, cos.contiguous(), sin.contiguous(), cache.k[a.layer],
-                    cache.v[a.layer], input_pos, mask, kv_len, a.n_heads, a.n_kv,
-                    self.input_layernorm.eps, a.scale, a.softcap or 0.0)
+        if self._fused and one_op_ok(h, *attn_args) and self.step_args():
+            return self.one_op(h, *attn_args)
         a = self.self_attn(self.input_layernorm(h), *attn_args)
         if self.gemma:
             h = h + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def one_op_ok(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+              input_pos: torch.Tensor, cache: object, kv_len: int) -> bool:
+    """Whether a forward's layers may run as `eagle3::decoder_layer`: a row-invariant static
+    cache, one position per token (not the engine's per-row ones), outside a prompt's stock
+    kernels, autograd and compilation."""
+    return (type(cache) is StaticKVCache and cache.exact and cos.dim() == 2 and mask.dim() == 2
+            and cos.is_contiguous() and sin.is_contiguous() and not in_prefill()
+            and fused_step_ok(h, cos))
 
 
 class Backbone(nn.Module):
@@ -470,11 +481,14 @@ class NativeTarget(nn.Module):
 
         want = set(self.tap_layers if taps is None else taps) if with_taps else set()
         taps = []
+        # Decided once per forward, not per layer: the one-op layers skip the module call.
+        one_op = self.exact and one_op_ok(h, *rot[0], masks[0], input_pos, cache, S)
         for i, layer in enumerate(self.model.layers):
             if i in want:
                 taps.append(h)
             cos, sin = rot[self.layer_rope_idx[i]]
-            h = layer(h, cos, sin, masks[self.layer_window_idx[i]], input_pos, cache, S)
+            args = (cos, sin, masks[self.layer_window_idx[i]], input_pos, cache, S)
+            h = layer.one_op(h, *args) if one_op and layer.fused and layer.step_args() else layer(h, *args)
         if self.config.num_hidden_layers in want:  # tap L is the final normed state
             h = self.model.norm(h)
             taps.append(h)
