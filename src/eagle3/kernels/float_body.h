@@ -149,15 +149,26 @@ void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
     for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sb[j] = mx;
     const V vmx = V::set1(mx);
     for (int64_t j = 0; j < n; j += 16) V::store(sb + j, exp_neg(V::sub(V::load(sb + j), vmx)));
-    float denom = 0.f;
-    for (int64_t j = 0; j < n; ++j) denom += sb[j];
-    const V inv = V::set1(1.f / denom);
-    for (int64_t d = 0; d < hd; d += 16) {
-      const int live = static_cast<int>(std::min<int64_t>(16, hd - d));
-      V acc = V::zero();
-      for (int64_t j = 0; j < n; ++j)
-        acc = V::fma(V::set1(sb[j]), load_w_n<W>(vb + kp[j] * a.vs[2] + d, live), acc);
-      V::store_n(o + d, V::mul(acc, inv), live);
+    // The denominator in 16 lanes (weights j, j + 16, ... in lane j % 16), then the fixed tree:
+    // no serial chain of n additions.
+    V dsum = V::zero();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) dsum = V::add(dsum, V::load(sb + j));
+    if (j < n) dsum = V::add(dsum, V::load_n(sb + j, static_cast<int>(n - j)));
+    const V inv = V::set1(1.f / V::reduce(dsum));
+    // Up to 64 output dims per pass over the keys: four independent accumulators, each still
+    // summing its keys in slot order (the same bits as one dim block at a time).
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+      const int nc = static_cast<int>(std::min<int64_t>(4, (hd - d0 + 15) / 16));
+      int live[4];
+      for (int c = 0; c < 4; ++c) live[c] = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * c)));
+      V acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const V w = V::set1(sb[jj]);
+        const W* vr = vb + kp[jj] * a.vs[2] + d0;
+        for (int c = 0; c < nc; ++c) acc[c] = V::fma(w, load_w_n<W>(vr + 16 * c, live[c]), acc[c]);
+      }
+      for (int c = 0; c < nc; ++c) V::store_n(o + d0 + 16 * c, V::mul(acc[c], inv), live[c]);
     }
   }
 }
