@@ -42,6 +42,7 @@ from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
+PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
 
 
 @dataclass
@@ -228,8 +229,9 @@ class Eagle3Speculator:
         `tree`: True for the default tree (`decoding.tree.DEFAULT_TREE`), a dict
         of top_k / depth / total_tokens for another shape, None/False for a chain.
         `num_draft_tokens` = K for chain drafting; None or 'auto' picks K (1..8)
-        from the cost model (`calibrate()`, which `eagle3.load` runs) and
-        the acceptance seen so far, again every few rounds; when sampling, 'auto'
+        or plain decoding from the cost model (`calibrate()`, which `eagle3.load`
+        runs) and the acceptance seen so far, again every few rounds (plain rounds
+        re-probe the head with K=1 every PROBE_EVERY rounds); when sampling, 'auto'
         is K = SAMPLING_K (4), so that a seed's output does not depend on timings.
         """
         req = self.check(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
@@ -251,8 +253,9 @@ class Eagle3Speculator:
         return self._auto_plan(), True
 
     def _auto_plan(self) -> Plan:
-        return choose_plan(self.costs, self.acceptance, 1, self.max_auto_k, min_k=1,
-                           observed=self.observed)
+        # Plain decoding is a candidate: where the head's acceptance does not pay for its rounds,
+        # automatic K decodes plainly (re-probing the head now and then, in `run`).
+        return choose_plan(self.costs, self.acceptance, 1, self.max_auto_k, observed=self.observed)
 
     @torch.no_grad()
     def run(self, req: GenerationRequest) -> GenerationResult:
@@ -272,6 +275,7 @@ class Eagle3Speculator:
         backend = self.backend
         t0 = time.perf_counter()
         prefill(backend, seq)
+        plain_rounds = 0
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
@@ -286,6 +290,14 @@ class Eagle3Speculator:
                 if stats["rounds"] % REPICK_EVERY == 0:
                     plan = self._auto_plan()
                     stats["num_draft_tokens"] = plan.k
+            elif automatic and not plan.drafts:
+                # Plain rounds teach nothing about the head (the draft's backlog is kept, so it
+                # can resume): every PROBE_EVERY of them, REPICK_EVERY rounds of K=1 measure
+                # its acceptance on this text again before the next choice.
+                plain_rounds += 1
+                if plain_rounds % PROBE_EVERY == 0:
+                    plan = Plan(1)
+                    stats["num_draft_tokens"] = 1
         stats["seconds"] = time.perf_counter() - t0
         if self.draft is not None:
             self._check_acceptance(stats)

@@ -109,8 +109,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--num-draft-tokens", type=num_draft_tokens, default=None, metavar="K|auto",
-                   help="draft tokens per round (chain drafting); auto (default) picks K from the "
-                        "measured cost model and the acceptance seen so far")
+                   help="draft tokens per round (chain drafting); auto (default) picks K (or plain "
+                        "decoding) from the measured cost model and the acceptance seen so far")
     g.add_argument("--compile", action="store_true",
                    help="run the decode/verify/draft steps through torch.compile (faster steps; "
                         "compiling takes a minute or more the first time, then is cached on disk)")
