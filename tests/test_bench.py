@@ -76,6 +76,11 @@ def test_rows_take_the_median_over_repetitions():
     assert row["seconds"] == pytest.approx(3.0)
     assert row["tokens"] == 8
     assert row["outputs_identical"] and row["mismatched_runs"] == 0
+    assert "mean_common_prefix" not in row
+    # A peer whose runs leave our path: how many leading tokens each run shared with ours.
+    other = [[Sample([1, 2, 9, 4], s) for s in secs[0]], [Sample([7], s) for s in secs[1]]]
+    row = summarize(other, samples)
+    assert row["mismatched_runs"] == 6 and row["mean_common_prefix"] == pytest.approx(1.0)  # (2 + 0) / 2
 
 
 def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
@@ -106,7 +111,7 @@ def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
     assert not rows[2]["outputs_identical"] and rows[2]["mismatched_runs"] == 1
     assert report["outputs_identical"] is False  # any row of ours failing fails the whole report
     assert report["peers"]["bad"]["mismatched_runs"] == 1
-    assert "NO (1 runs)" in markdown(report)
+    assert "NO (1 runs; the first " in markdown(report)
 
 
 def test_report_accounting_matches_generate_stats(spec, dirs):

@@ -84,6 +84,11 @@ def _per_rep(samples: list[list[Sample]], value: Callable[[Sample], float]) -> l
     return [sum(value(reps[r]) for reps in samples) for r in range(len(samples[0]))]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> dict[str, Any]:
     """A row for one arm: median tokens/s, correctness vs `plain` (None for sampled arms, whose
     outputs differ by design), speculation stats, time split."""
@@ -96,6 +101,10 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
         "tokens": int(statistics.median(tokens)), "seconds": statistics.median(seconds),
         "outputs_identical": None if plain is None else mismatched == 0,
         "mismatched_runs": mismatched}
+    if mismatched:  # how far a different arithmetic (a peer's) stays on our plain decoding's path
+        row["mean_common_prefix"] = statistics.mean(
+            common_prefix(s.token_ids, p.token_ids) for reps, preps in zip(samples, plain)
+            for s, p in zip(reps, preps))
     if samples[0][0].stats is None:
         return row  # a peer: no stats of ours
     if samples[0][0].stats.get("peer_counts"):  # an engine peer's EAGLE-3 (llama.cpp, vLLM): its counts

@@ -26,7 +26,12 @@ def _row(name: str, r: dict) -> list[str]:
             _f(r.get("draft_ms_per_round")), _f(r.get("verify_ms_per_round")),
             _f(r.get("other_ms_per_round")), _f(r.get("host_syncs_per_round")),
             "n/a (sampled)" if r["outputs_identical"] is None else
-            "yes" if r["outputs_identical"] else f"NO ({r['mismatched_runs']} runs)"]
+            "yes" if r["outputs_identical"] else f"NO ({r['mismatched_runs']} runs{_prefix(r)})"]
+
+
+def _prefix(r: dict) -> str:
+    p = r.get("mean_common_prefix")
+    return "" if p is None else f"; the first {p:.1f} tokens agree on average"
 
 
 def _name(r: dict) -> str:
