@@ -290,14 +290,16 @@ class QLinear(nn.Module):
         if self.fmt in ("float32", "bfloat16"):
             return self.w.float()
         codes = self.codes().float().reshape(N, K // BLOCK, BLOCK)
-        scale = unpack_scales(self.scale)[..., None]
+        offset = unpack_scales(self.offset) if self.offset.numel() else None
+        return self._blocks(codes, unpack_scales(self.scale), offset).reshape(N, K)
+
+    def _blocks(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """The format's formula on float codes (.., nb, 32) with scales d and offsets m (.., nb)."""
         if self.fmt == "int8":
-            w = codes * scale
-        elif self.offset.numel():
-            w = codes * scale + unpack_scales(self.offset)[..., None]
-        else:
-            w = (codes - 8) * scale
-        return w.reshape(N, K)
+            return codes * d[..., None]
+        if m is not None:
+            return codes * d[..., None] + m[..., None]
+        return (codes - 8) * d[..., None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the weight, (n, K) float32, dequantized as `dequantized()` does
@@ -314,14 +316,8 @@ class QLinear(nn.Module):
         else:  # tiles (N/16, nb, p, column, 4): low nibble input 4p + j, high 16 + 4p + j
             t = self.w.reshape(N // 16, nb, 4, 16, 4)[g, :, :, c, :]  # (n, nb, 4, 4)
             codes = torch.stack([t & 15, t >> 4], dim=2).reshape(n, nb, BLOCK).float()
-        d = self.scale[g, :, c].float()[..., None]  # (n, nb, 1)
-        if self.fmt == "int8":
-            w = codes * d
-        elif self.offset.numel():
-            w = codes * d + self.offset[g, :, c].float()[..., None]
-        else:
-            w = (codes - 8) * d
-        return w.reshape(n, K)
+        m = self.offset[g, :, c].float() if self.offset.numel() else None  # (n, nb)
+        return self._blocks(codes, self.scale[g, :, c].float(), m).reshape(n, K)
 
     @property
     def nbytes(self) -> int:
