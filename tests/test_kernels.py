@@ -137,6 +137,24 @@ def test_every_path_computes_the_format_exactly(fmt, group, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q4_0"])
+def test_activation_codes_round_half_to_even_on_every_path(fmt, path):
+    """Rows built so that x / xd lands exactly on halves (amax 127 -> xd 1): codes round half to
+    even (0.5 -> 0, 1.5 -> 2, -2.5 -> -2), an all-zero block has xd 0, tiny values survive;
+    every path equals the integer reference written in this file."""
+    halves = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # -14.5 .. 15.5
+    row = torch.cat([halves, torch.zeros(32), torch.linspace(-1e-30, 1e-30, 32), halves.flip(0)])
+    x = torch.stack([row, -row, row * 3, row / 127])
+    q = make_layer(fmt, linear(32, x.shape[1], seed=3), None)
+    with use_isa(path):
+        y = q(x)
+    assert torch.equal(y, int_reference(q, x))
+    # rounding half away from zero would give other codes and so other sums
+    away = torch.sign(halves[1:]) * torch.floor(halves[1:].abs() + 0.5)
+    assert not torch.equal(away, torch.round(halves[1:]))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt,group", CASES)
 def test_rows_do_not_depend_on_the_batch_or_threads(fmt, group, path):
     q = make_layer(fmt, linear(64, 128, seed=1), group)

@@ -7,8 +7,39 @@
 // (T > 1) verify as in a 1-row decode.
 //
 // Needs from the including scope: V (zero, set1, load, load_n, load_bf16, load_bf16_n,
-// store, store_n, fma, add, sub, mul, max, reduce), and the constants MT (rows per
+// store, store_n, fma, add, sub, mul, max, round_even, reduce), and the constants MT (rows per
 // register tile) and NB (weight rows per register tile).
+
+// ---- int8 activations: each row quantized per block of 32, from that row alone -------------
+// xd = amax / 127, codes = round-half-even(x * (1 / xd)) clamped to -127..127 (0 where xd is
+// 0), xs = their sum, xsd = xd * xs: elementwise IEEE operations and an exact max, the same
+// on every path and in the PyTorch reference (`kernels.quantize_rows`).
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s, float* sd) {
+  const int64_t nb = K / 32;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * 32;
+      const V x0 = V::load(xb), x1 = V::load(xb + 16);
+      float t[32];
+      V::store(t, V::max(V::max(x0, V::sub(V::zero(), x0)), V::max(x1, V::sub(V::zero(), x1))));
+      float amax = 0.f;
+      for (int l = 0; l < 16; ++l) amax = t[l] > amax ? t[l] : amax;
+      const float dd = amax / 127.f;
+      const V id = V::set1(dd != 0.f ? 1.f / dd : 0.f);
+      V::store(t, V::round_even(V::mul(x0, id)));
+      V::store(t + 16, V::round_even(V::mul(x1, id)));
+      int8_t* qb = q + r * K + b * 32;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int32_t v = std::min(127, std::max(-127, static_cast<int32_t>(t[k])));
+        qb[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[r * nb + b] = dd;
+      s[r * nb + b] = sum;
+      sd[r * nb + b] = dd * static_cast<float>(sum);
+    }
+}
 
 // ---- linear: y (M, N) = x (M, K) @ W^T with W (N, K) float32 or bfloat16 -------------------
 

@@ -129,7 +129,13 @@ struct V {
   static V max(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] > b.l[i] ? a.l[i] : b.l[i]; return r; }
   static V div(V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = a.l[i] / b.l[i]; return r; }
   static V select_neg(V c, V a, V b) { V r; for (int i = 0; i < 16; ++i) r.l[i] = c.l[i] < 0.f ? a.l[i] : b.l[i]; return r; }
-  static V round_even(V a) { V r; for (int i = 0; i < 16; ++i) r.l[i] = std::nearbyint(a.l[i]); return r; }
+  // Round half to even by the FPU's own rounding (|a| < 2^23: adding 2^23 leaves no fraction
+  // bits), as nearbyint does without a libm call per element; larger values are integers.
+  static float round1(float a) {
+    const float m = std::fabs(a);
+    return m < 8388608.f ? std::copysign((m + 8388608.f) - 8388608.f, a) : a;
+  }
+  static V round_even(V a) { V r; for (int i = 0; i < 16; ++i) r.l[i] = round1(a.l[i]); return r; }
   static V pow2(V n) {  // 2^n for integral n in [-126, 127], built from its bits
     V r;
     for (int i = 0; i < 16; ++i) { uint32_t u = static_cast<uint32_t>(static_cast<int32_t>(n.l[i]) + 127) << 23; std::memcpy(&r.l[i], &u, 4); }
@@ -474,29 +480,6 @@ std::string set_isa(const std::string& name) {
 
 // ===================================== the ops ==============================================
 
-// Quantize each row of x (M, K) to int8 per block of 32, from that row alone.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s, float* sd) {
-  const int64_t nb = K / 32;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + r * K + b * 32;
-      float amax = 0.f;
-      for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float dd = amax / 127.f;
-      const float id = dd != 0.f ? 1.f / dd : 0.f;
-      int32_t sum = 0;
-      int8_t* qb = q + r * K + b * 32;
-      for (int k = 0; k < 32; ++k) {
-        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] * id)));
-        qb[k] = static_cast<int8_t>(v);
-        sum += qb[k];
-      }
-      d[r * nb + b] = dd;
-      s[r * nb + b] = sum;
-      sd[r * nb + b] = dd * static_cast<float>(sum);
-    }
-}
-
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t fmt, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
@@ -505,14 +488,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   thread_local std::vector<int32_t> xs;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * nb) { xd.resize(M * nb); xsd.resize(M * nb); xs.resize(M * nb); }
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), xsd.data());
+  const int isa = current_isa().load();
+  auto quantize = isa == AVX512 ? isa_avx512::quantize_rows : isa == AVX2 ? isa_avx2::quantize_rows : isa_scalar::quantize_rows;
+  quantize(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), xsd.data());
   auto y = at::empty({M, N}, x.options());
   QCall c{xq.data(), xd.data(), xsd.data(), xs.data(), M, K, nb, N,
           reinterpret_cast<const uint8_t*>(w.data_ptr()),
           reinterpret_cast<const uint16_t*>(scale.data_ptr()),
           offset.numel() ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr,
           fmt, fmt == INT4 && offset.numel() == 0 ? 8 : 0, y.data_ptr<float>()};
-  const int isa = current_isa().load();
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) isa_avx512::qlinear(c, g0, g1);
     else if (isa == AVX2) isa_avx2::qlinear(c, g0, g1);
