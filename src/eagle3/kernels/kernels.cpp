@@ -369,51 +369,87 @@ constexpr int NB = 4;
 
 // 16 columns at a time: vpdpbusd multiplies unsigned weight codes by the row's signed
 // activation quad broadcast to every column. INT8 codes are made unsigned by +128 (xor 0x80),
-// which adds 128 * xs: subtracted with the zero point.
-void qlinear(const QCall& c, int64_t g0, int64_t g1) {
-  const int64_t M = c.M, nb = c.nb;
-  const int64_t tile = tile_bytes(c.fmt);
-  const int32_t zp = c.fmt == INT8 ? 128 : c.zp;
-  float* acc = row_accumulators(M);
+// which adds 128 * xs: the block's integer sum starts from -zp * xs instead of 0 (integers:
+// the same sum in any order).
+// Up to ROWS rows at a time keep their accumulators in registers through all blocks; the
+// format is a template argument so that the row loop carries no branches. The first chunk of
+// rows streams the group's codes from memory (prefetching ahead); later chunks find them in L1.
+enum QKind { Q8 = 0, Q41 = 1, Q40 = 2 };
+constexpr int ROWS = 8;
+
+template <int F, int R>
+void q_rows(const QCall& c, int64_t g, int64_t r0, bool stream) {
+  constexpr int64_t tile = F == Q8 ? 512 : 256;
+  constexpr int32_t zp = F == Q8 ? 128 : F == Q40 ? 8 : 0;
+  const int64_t nb = c.nb, K = c.K;
   const __m512i nib = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 a1 = _mm512_setzero_ps();  // the one row of a decode step stays in a register
-    if (M > 1) std::fill(acc, acc + M * 16, 0.f);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* t = c.codes + (g * nb + b) * tile;
-      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
-      __m512i w[8];
-      if (c.fmt == INT8) {
-        for (int q = 0; q < 8; ++q) w[q] = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * q), flip);
-      } else {
-        for (int p = 0; p < 4; ++p) {
-          const __m512i r = _mm512_loadu_si512(t + 64 * p);
-          w[p] = _mm512_and_si512(r, nib);
-          w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(r, 4), nib);
-        }
-      }
-      const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.d + (g * nb + b) * 16)));
-      const __m512 vm = c.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.m + (g * nb + b) * 16)))
-                            : _mm512_setzero_ps();
-      for (int64_t r = 0; r < M; ++r) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * c.K + b * 32);
-        const int64_t rb = r * nb + b;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int q = 0; q < 8; q += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[q], _mm512_set1_epi32(x4[q]));
-          s1 = _mm512_dpbusd_epi32(s1, w[q + 1], _mm512_set1_epi32(x4[q + 1]));
-        }
-        __m512i s = _mm512_add_epi32(s0, s1);
-        if (zp) s = _mm512_sub_epi32(s, _mm512_set1_epi32(zp * c.xs[rb]));
-        __m512 a = M == 1 ? a1 : _mm512_loadu_ps(acc + r * 16);
-        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_set1_ps(c.xd[rb])), _mm512_cvtepi32_ps(s)));
-        if (c.m) a = _mm512_add_ps(a, _mm512_mul_ps(vm, _mm512_set1_ps(c.xsd[rb])));
-        if (M == 1) a1 = a;
-        else _mm512_storeu_ps(acc + r * 16, a);
+  const int8_t* xq = c.xq + r0 * K;
+  const float* xd = c.xd + r0 * nb;
+  const float* xsd = c.xsd + r0 * nb;
+  const int32_t* xs = c.xs + r0 * nb;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* t = c.codes + g * nb * tile;
+  const uint16_t* dp = c.d + g * nb * 16;
+  const uint16_t* mp = F == Q41 ? c.m + g * nb * 16 : nullptr;
+  for (int64_t b = 0; b < nb; ++b, t += tile, dp += 16) {
+    if (stream) prefetch_ahead(c, t, (g * nb + b) * 16, tile);
+    __m512i w[8];
+    if (F == Q8) {
+      for (int q = 0; q < 8; ++q) w[q] = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * q), flip);
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i r = _mm512_loadu_si512(t + 64 * p);
+        w[p] = _mm512_and_si512(r, nib);
+        w[4 + p] = _mm512_and_si512(_mm512_srli_epi16(r, 4), nib);
       }
     }
-    if (M == 1) _mm512_storeu_ps(c.y + g * 16, a1);
-    else for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp)));
+    __m512 vm = _mm512_setzero_ps();
+    if (F == Q41) vm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + b * 16)));
+    // q outer, rows inner: the rows' dependent vpdpbusd chains advance side by side.
+    __m512i s[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = zp ? _mm512_set1_epi32(-zp * xs[i * nb + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+        s[i] = _mm512_dpbusd_epi32(s[i], w[q], _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xq + i * K + b * 32)[q]));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_set1_ps(xd[i * nb + b])), _mm512_cvtepi32_ps(s[i])));
+      if (F == Q41) acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(vm, _mm512_set1_ps(xsd[i * nb + b])));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(c.y + (r0 + i) * c.N + g * 16, acc[i]);
+}
+
+template <int F>
+void q_group(const QCall& c, int64_t g) {
+  for (int64_t r0 = 0; r0 < c.M; r0 += ROWS) {
+    const bool stream = r0 == 0;
+    switch (std::min<int64_t>(ROWS, c.M - r0)) {
+      case 1: q_rows<F, 1>(c, g, r0, stream); break;
+      case 2: q_rows<F, 2>(c, g, r0, stream); break;
+      case 3: q_rows<F, 3>(c, g, r0, stream); break;
+      case 4: q_rows<F, 4>(c, g, r0, stream); break;
+      case 5: q_rows<F, 5>(c, g, r0, stream); break;
+      case 6: q_rows<F, 6>(c, g, r0, stream); break;
+      case 7: q_rows<F, 7>(c, g, r0, stream); break;
+      default: q_rows<F, 8>(c, g, r0, stream); break;
+    }
+  }
+}
+
+void qlinear(const QCall& c, int64_t g0, int64_t g1) {
+  const int kind = c.fmt == INT8 ? Q8 : c.m ? Q41 : Q40;
+  for (int64_t g = g0; g < g1; ++g) {
+    if (kind == Q8) q_group<Q8>(c, g);
+    else if (kind == Q41) q_group<Q41>(c, g);
+    else q_group<Q40>(c, g);
   }
 }
 
