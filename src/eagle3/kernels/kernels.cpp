@@ -682,6 +682,34 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// cache[b, h, pos[t]] = x[b, t, h] for x (B, T, heads, hd) float32 and a float32 or bfloat16
+// cache (B, heads, S, hd): what index_copy_ of x cast to the cache's dtype writes (bfloat16
+// rounds to nearest even, as `Tensor.to` does), without the temporaries.
+void write_kv(at::Tensor& cache, const at::Tensor& x, const at::Tensor& pos) {
+  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.size(0) == x.size(1),
+              "decoder_layer: input_pos must be (T,) int64");
+  TORCH_CHECK(cache.stride(3) == 1 && x.stride(3) == 1, "decoder_layer: head_dim must be contiguous");
+  const int64_t B = x.size(0), T = x.size(1), heads = x.size(2), hd = x.size(3), S = cache.size(2);
+  auto pc = pos.contiguous();
+  const int64_t* p = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < S, "decoder_layer: input_pos ", p[t], " is outside the cache");
+  const float* xp = x.data_ptr<float>();
+  const bool bf16 = cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || cache.scalar_type() == at::kFloat, "decoder_layer: the cache must be float32 or bfloat16");
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* src = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        const int64_t at = b * cache.stride(0) + h * cache.stride(1) + p[t] * cache.stride(2);
+        if (bf16) {
+          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = c10::BFloat16(src[d]);
+        } else {
+          std::memcpy(cache.data_ptr<float>() + at, src, hd * sizeof(float));
+        }
+      }
+}
+
 // One projection of `decoder_layer`: [w, scale, offset, bias] as a QLinear holds them (bias
 // empty when none), its format and out_features. y = x W^T (+ bias), the bias added after.
 at::Tensor project(const at::Tensor& x, at::TensorList p, int64_t fmt, int64_t N) {
@@ -720,8 +748,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
   auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({B, T, nkv, hd});
   rope_(q, cos, sin);
   rope_(k, cos, sin);
-  k_cache.index_copy_(2, input_pos, k.transpose(1, 2).to(k_cache.scalar_type()));
-  v_cache.index_copy_(2, input_pos, v.transpose(1, 2).to(v_cache.scalar_type()));
+  write_kv(k_cache, k, input_pos);
+  write_kv(v_cache, v, input_pos);
   auto attn = attention(q.transpose(1, 2), k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len),
                         mask.reshape({-1, T, kv_len}).expand({B, T, kv_len}), scale, softcap);  // (B, T, nh hd)
   auto h1 = h + project(attn.view({M, nh * hd}), o_p, fmts[1], ns[1]).view({B, T, H});
