@@ -431,6 +431,33 @@ def test_the_one_op_layer_equals_the_layer_op_by_op(variant, quantize, path, tmp
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("quantize", [None, "int4", "int8"])
+def test_the_heads_layer_runs_as_one_op_with_the_same_bits(quantize, path):
+    """An EAGLE-3 head's layer after its input norms runs as `eagle3::decoder_layer` (q/k/v and
+    gate/up as their concatenations): the same logits, features and cache as op by op, for a
+    catch-up of 3 rows and single steps, on every path; and it does run."""
+    s = eagle3.load("default", quantize=quantize)
+    d, H = s.draft, s.draft.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    tokens, feats = torch.randint(1, 1000, (1, 3), generator=g), torch.randn(1, 3, H, generator=g)
+
+    def run(one_op: bool) -> list[torch.Tensor]:
+        d.midlayer.fused = one_op
+        cache, out = d.new_cache(1, 16), []
+        with torch.no_grad(), use_isa(path):
+            out += d(tokens, feats, torch.arange(3), cache, kv_len=3)
+            for p in (3, 4):
+                out += d(tokens[:, :1], out[-1][:, -1:], torch.tensor([p]), cache, kv_len=p + 1)
+        return out + [cache.k[0], cache.v[0]]
+
+    assert d.midlayer.fused and d.midlayer.step_args() is not None
+    assert layer_op_calls(lambda: run(True)) == 3
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+    d.midlayer.fused = True
+
+
 @pytest.mark.parametrize("quantize", [None, "int4"])
 def test_speculative_equals_plain_in_each_format(llama_dir, quantize):
     from eagle3.draft import attach_head, random_head

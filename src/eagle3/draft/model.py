@@ -20,7 +20,7 @@ from torch import nn
 
 from ..kv import StaticKVCache
 from ..targets.config import RopeConfig
-from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention, slots_upto
+from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention, layer_op_args, one_op_ok, slots_upto
 
 
 @dataclass
@@ -72,6 +72,32 @@ class DraftLayer(nn.Module):
         self.hidden_norm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.norm_before_residual = cfg.norm_before_residual
+        self.fused = False
+
+    @property
+    def fused(self) -> bool:
+        """`kernels.use_fused_steps`: run the layer after `mix` as one `eagle3::decoder_layer`
+        where it can (the head's projections in `QLinear`s, a row-invariant cache)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused, self._step_args = on, None
+
+    def _apply(self, fn, recurse=True):  # .to() replaces the tensors `_step_args` holds
+        self._step_args = None
+        return super()._apply(fn, recurse)
+
+    def step_args(self) -> tuple | None:
+        """`eagle3::decoder_layer`'s weights for this layer (q/k/v_proj and gate/up_proj run
+        as their concatenations), or None where it runs op by op. Built once."""
+        if self._step_args is None:
+            attn, mlp = self.self_attn, self.mlp
+            gate_up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+            self._step_args = (not mlp.gelu and layer_op_args(
+                self.post_attention_layernorm.weight, self.post_attention_layernorm.weight,
+                [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], gate_up, [mlp.down_proj]])) or ()
+        return self._step_args or None
 
     def mix(self, emb: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input a (B, T, 2H), embedding first; residual (B, T, H))."""
@@ -86,6 +112,12 @@ class DraftLayer(nn.Module):
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, *attn_args) -> torch.Tensor:
         a, residual = self.mix(emb, g)
+        if self._fused and one_op_ok(residual, *attn_args) and self.step_args():
+            cos, sin, mask, input_pos, cache, kv_len = attn_args
+            at = self.self_attn
+            return torch.ops.eagle3.decoder_layer(
+                residual, *self._step_args, cos, sin, cache.k[0], cache.v[0], input_pos, mask, kv_len,
+                at.n_heads, at.n_kv, self.post_attention_layernorm.eps, at.hd ** -0.5, 0.0, a)
         return self.finish(residual, self.self_attn(a, *attn_args))
 
 

@@ -533,7 +533,7 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
     if hasattr(target, "kv_dtype"):
         target.kv_dtype = torch.bfloat16 if target.exact and fmt in ("int8", "int4", "gguf") else None
     target.weight_format = fmt if group is None or fmt not in QUANTIZE_CHOICES else f"{fmt}-g{group}"
-    if draft is not None and fmt != "float32":  # the head only proposes: speed, not exactness
+    if draft is not None:  # the head only proposes: speed, not exactness (float32 stays float32)
         quantize_model(draft, "int4" if fmt == "gguf" else fmt, group)
     return target.weight_format
 

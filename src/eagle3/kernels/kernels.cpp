@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -725,13 +726,14 @@ at::Tensor project(const at::Tensor& x, at::TensorList p, int64_t fmt, int64_t N
 // gate_up, SwiGLU, down, residual), so the same bits; what it saves is the ~20 Python-level
 // ops per layer around them. h (B, T, H); cos, sin (T, hd); caches (B, nkv, S_max, hd);
 // mask (T, kv_len) bool. projections: qkv, o, gate_up, down; fmts, ns: their formats and N.
+// The residual stream h is also what the attention output is added to.
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
                          at::TensorList qkv_p, at::TensorList o_p, at::TensorList gu_p,
                          at::TensorList down_p, at::IntArrayRef fmts, at::IntArrayRef ns,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                          at::Tensor v_cache, const at::Tensor& input_pos, const at::Tensor& mask,
                          int64_t kv_len, int64_t nh, int64_t nkv, double eps, double scale,
-                         double softcap) {
+                         double softcap, const std::optional<at::Tensor>& attn_in) {
   TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat, "decoder_layer: h must be (B, T, H) float32");
   TORCH_CHECK(fmts.size() == 4 && ns.size() == 4, "decoder_layer: four projections");
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2), M = B * T;
@@ -741,8 +743,14 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == nkv && kv_len <= k_cache.size(2),
               "decoder_layer: caches must be (B, nkv, S, hd) with S >= kv_len");
   TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == kv_len, "decoder_layer: mask must be (T, kv_len)");
-  auto x = rms_norm(h, ln1, eps, false);  // (B, T, H)
-  auto qkv = project(x.view({M, H}), qkv_p, fmts[0], ns[0]);  // (M, (nh + 2 nkv) hd)
+  // attn_in: the attention's input when the caller normed it itself (an EAGLE-3 head's
+  // [norm(embedding) | norm(feature)], (B, T, Hin)); else RMSNorm(h).
+  const bool given = attn_in.has_value() && attn_in->defined();
+  if (given)
+    TORCH_CHECK(attn_in->dim() == 3 && attn_in->size(0) == B && attn_in->size(1) == T &&
+                attn_in->scalar_type() == at::kFloat, "decoder_layer: attn_in must be (B, T, Hin) float32");
+  auto x = given ? attn_in->contiguous() : rms_norm(h, ln1, eps, false);  // (B, T, Hin)
+  auto qkv = project(x.view({M, x.size(2)}), qkv_p, fmts[0], ns[0]);  // (M, (nh + 2 nkv) hd)
   auto q = qkv.narrow(1, 0, nh * hd).view({B, T, nh, hd});
   auto k = qkv.narrow(1, nh * hd, nkv * hd).view({B, T, nkv, hd});
   auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({B, T, nkv, hd});
@@ -762,7 +770,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
 TORCH_LIBRARY(eagle3, m) {
   m.def("decoder_layer(Tensor h, Tensor ln1, Tensor ln2, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] fmts, int[] ns, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor input_pos, Tensor mask, int kv_len, int nh, int nkv, float eps, float scale, float softcap) -> Tensor");
+        "Tensor input_pos, Tensor mask, int kv_len, int nh, int nkv, float eps, float scale, float softcap, "
+        "Tensor? attn_in=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");

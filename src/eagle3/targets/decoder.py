@@ -166,6 +166,8 @@ class MLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+            if self.fused and not self.gelu and fused_step_ok(gate):  # as `eagle3::decoder_layer`
+                return self.down_proj(torch.ops.eagle3.silu_mul(torch.cat([gate, up], dim=-1)))
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -249,16 +251,10 @@ class Block(nn.Module):
         `QLinear`s (it then runs op by op). Built once (the flag's setter and `.to()` reset it)."""
         if self._step_args is None:
             attn, mlp = self.self_attn, self.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (self.gemma or attn.q_norm is not None or mlp.gelu
-                    or not all(isinstance(m, QLinear) for m in linears)):
-                self._step_args = ()
-            else:
-                parts = [[m.w, m.scale, m.offset, m.bias if m.bias is not None else m.offset[:0]]
-                         for m in linears]
-                self._step_args = (self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                                   *parts, [FMT_ID[m.fmt] for m in linears],
-                                   [m.out_features for m in linears])
+            plain = not (self.gemma or attn.q_norm is not None or mlp.gelu)
+            self._step_args = plain and layer_op_args(
+                self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                [[attn.qkv_proj], [attn.o_proj], [mlp.gate_up_proj], [mlp.down_proj]]) or ()
         return self._step_args or None
 
     def one_op(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -278,6 +274,30 @@ class Block(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def layer_op_args(ln1: torch.Tensor, ln2: torch.Tensor, projections: list[list[nn.Module]]
+                  ) -> tuple | None:
+    """`eagle3::decoder_layer`'s weights: the two norms' weights, then per projection (qkv, o,
+    gate_up, down) [w, scale, offset, bias], their formats and out_features; None unless every
+    projection is `QLinear`s of one format. A projection given as several layers (an EAGLE-3
+    head's q/k/v_proj) runs as their concatenation, which computes each part's outputs as that
+    part would: each output column depends on its own weights only, and the packed layouts
+    hold columns in whole groups of 16, so concatenating the buffers concatenates the layers."""
+    parts, fmts, ns = [], [], []
+    for layers in projections:
+        first = layers[0]
+        if (not all(isinstance(m, QLinear) and m.fmt == first.fmt and m.in_features == first.in_features
+                    and bool(m.offset.numel()) == bool(first.offset.numel())
+                    and (m.bias is None) == (first.bias is None) for m in layers)):
+            return None
+        cat = (lambda ts: ts[0]) if len(layers) == 1 else (lambda ts: torch.cat([t.reshape(-1) for t in ts]))
+        bias = cat([m.bias for m in layers]) if first.bias is not None else first.offset[:0]
+        parts.append([cat([m.w for m in layers]), cat([m.scale for m in layers]),
+                      cat([m.offset for m in layers]), bias])
+        fmts.append(FMT_ID[first.fmt])
+        ns.append(sum(m.out_features for m in layers))
+    return (ln1, ln2, *parts, fmts, ns)
 
 
 def one_op_ok(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
