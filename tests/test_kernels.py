@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import eagle3
 from conftest import make_hf_model
 from eagle3.errors import Eagle3Error
+from eagle3.kernels import argmax as kernel_argmax
 from eagle3.kernels import (
     FORMATS,
     QLinear,
@@ -152,6 +153,28 @@ def test_activation_codes_round_half_to_even_on_every_path(fmt, path):
     # rounding half away from zero would give other codes and so other sums
     away = torch.sign(halves[1:]) * torch.floor(halves[1:].abs() + 0.5)
     assert not torch.equal(away, torch.round(halves[1:]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_argmax_is_torchs_on_every_path(path):
+    """`kernels.argmax` (greedy decisions) equals torch.argmax(-1): the first maximum, the first
+    NaN, -0.0 and 0.0 tied, every length around the vector width, any leading shape."""
+    g = torch.Generator().manual_seed(7)
+    vocab = torch.randn(3, 49152, generator=g)
+    vocab[1, 40000] = vocab[1, 7] = vocab[1].max() + 1  # a tie: the first one wins
+    nan = torch.randn(100, generator=g)
+    nan[[60, 90]] = float("nan")
+    cases = [vocab, nan, torch.tensor([-0.0, 0.0] * 20), torch.full((37,), float("-inf")),
+             torch.randn(2, 3, 100, generator=g)]
+    cases += [torch.randn(n, generator=g) for n in (1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 8193)]
+    late = torch.randn(50, generator=g)
+    late[49] = 9.0  # the maximum in the tail after the last full vector
+    cases.append(late)
+    with use_isa(path):
+        for x in cases:
+            got = torch.ops.eagle3.argmax(x)
+            assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), x.shape
+            assert torch.equal(kernel_argmax(x), x.argmax(-1))
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -39,6 +39,7 @@ from .decoding.sampling import Sampler
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
 from .decoding.types import Plan
 from .errors import Eagle3Error, notice
+from .kernels import argmax
 from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
@@ -118,7 +119,7 @@ class Eagle3Speculator:
             kw["taps"] = self.taps
         logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
                                                        kv_len=kv_len, **kw)
-        return logits.argmax(-1), (self.draft.fuse(taps) if taps is not None else None)
+        return argmax(logits), (self.draft.fuse(taps) if taps is not None else None)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
@@ -143,7 +144,7 @@ class Eagle3Speculator:
         T = tokens.shape[1]
         self.draft_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
         logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
-        return self.draft.to_target_ids(logits.argmax(-1)), h
+        return self.draft.to_target_ids(argmax(logits)), h
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,

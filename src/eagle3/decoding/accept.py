@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import brief
+from ..kernels import argmax
 from .sampling import speculative_accept, tree_accept
 from .types import Proposal, Verdict
 
@@ -36,7 +37,7 @@ def accept(seqs: list[Any], logits: torch.Tensor, tokens: torch.Tensor,
     tokens (B, T) (anchor first); each proposal's `rows` hold its nodes. One host sync for the
     greedy decisions of the whole batch; sampled rows draw from their own samplers."""
     B, T = tokens.shape
-    parts = [logits.argmax(-1).flatten(), tokens.flatten()]
+    parts = [argmax(logits).flatten(), tokens.flatten()]
     for p in proposals:
         parts += [p.parents.flatten(), p.depth.flatten()]
     host = torch.cat(parts).tolist()

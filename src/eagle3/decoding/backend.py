@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import Eagle3Error
+from ..kernels import argmax
 from ..targets.decoder import slots_upto
 from .layout import Layout
 
@@ -194,12 +195,12 @@ class StaticBackend:
         draft = self.draft_model
         logits, h = draft(tokens, feats, seed_slots, self.draft_cache, key_slots=key_slots)
         root, feat = logits.index_select(1, used), h.index_select(1, used)  # (1, 1, Vd), (1, 1, H)
-        ids = draft.to_target_ids(root.argmax(-1))  # (1, 1)
+        ids = draft.to_target_ids(argmax(root))  # (1, 1)
         out = [ids]
         for i in range(step_slots.shape[0]):  # unrolled: k is static
             step_logits, feat = draft(ids, feat, step_slots[i:i + 1], self.draft_cache,
                                       key_slots=key_slots)
-            ids = draft.to_target_ids(step_logits.argmax(-1))
+            ids = draft.to_target_ids(argmax(step_logits))
             out.append(ids)
         return torch.cat(out, dim=1), root[0, 0], h.index_select(1, used)[0, 0]
 

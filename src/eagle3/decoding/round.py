@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import brief
-from ..kernels import prefill_matmuls
+from ..kernels import argmax, prefill_matmuls
 from ..targets.decoder import slots_upto
 from .accept import accept
 from .backend import Backend
@@ -150,7 +150,7 @@ def prefill(backend: Backend, seq: Sequence) -> int:
         logits, feats = backend.target([seq], prompt, causal_layout([0], n, device=backend.device),
                                        with_features=drafts, last_only=True)
     row = logits[0, -1]
-    first = int(row.argmax() if seq.sampler is None else seq.sampler.sample(seq.sampler.probs(row)))
+    first = int(argmax(row) if seq.sampler is None else seq.sampler.sample(seq.sampler.probs(row)))
     seq.stats["target_forwards"] += 1
     seq.target_len = n
     seq.done = emit(seq.out, [first], seq.stop_ids, seq.max_new_tokens)
@@ -271,7 +271,7 @@ def draft_chain(backend: Backend, rows: list[Sequence], root: torch.Tensor, boun
     logits, feat = root, boundary
     drafts, qs = [], [[] for _ in rows]
     for i in range(k):
-        ids = logits.argmax(-1)  # (G,) draft vocabulary
+        ids = argmax(logits)  # (G,) draft vocabulary
         if sampled:
             ids = ids.clone()
             for g in sampled:

@@ -86,6 +86,18 @@ struct QCall {
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
+// torch.argmax over one row: the first maximum, or the first NaN.
+int64_t isa_scalar_argmax(const float* x, int64_t n) {
+  int64_t r = 0;
+  float bv = x[0];
+  if (std::isnan(bv)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > bv) { bv = x[i]; r = i; }
+  }
+  return r;
+}
+
 // Bytes of codes per 16 columns x 32 inputs.
 inline int64_t tile_bytes(int64_t fmt) { return fmt == INT8 ? 512 : 256; }
 
@@ -454,6 +466,37 @@ void qlinear(const QCall& c, int64_t g0, int64_t g1) {
   }
 }
 
+// The first index of each row's maximum (a NaN counts as the maximum, as in torch.argmax).
+// Per lane a strictly greater value replaces the kept one, so each lane keeps its first
+// maximum; across lanes the smallest index among equal maxima is the row's first.
+int64_t argmax_row(const float* x, int64_t n) {
+  if (n < 32) return isa_scalar_argmax(x, n);
+  __m512 best = _mm512_loadu_ps(x);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  int64_t i = 16;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    idx = _mm512_add_epi32(idx, step);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_blend_ps(gt, best, v);
+    at = _mm512_mask_blend_epi32(gt, at, idx);
+  }
+  if (nan) return isa_scalar_argmax(x, n);
+  const float m = _mm512_reduce_max_ps(best);
+  const __mmask16 is_m = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  int64_t r = _mm512_mask_reduce_min_epi32(is_m, at);
+  float bv = m;
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > bv) { bv = x[i]; r = i; }
+  }
+  return r;
+}
+
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
@@ -623,6 +666,21 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+// argmax over the last dimension of a float32 tensor (..., n), n > 0: int64 (...).
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0, "argmax takes float32 (..., n), n > 0");
+  auto xc = x.contiguous();
+  const int64_t n = x.size(-1), rows = xc.numel() / n;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto out = at::empty(sizes, x.options().dtype(at::kLong));
+  const float* p = xc.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const bool wide = current_isa().load() == AVX512;
+  for (int64_t r = 0; r < rows; ++r) o[r] = wide ? isa_avx512::argmax_row(p + r * n, n) : isa_scalar_argmax(p + r * n, n);
+  return out;
+}
+
 int current_path() { return current_isa().load(); }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
@@ -775,6 +833,7 @@ TORCH_LIBRARY(eagle3, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("wlinear(Tensor x, Tensor w, Tensor scale, Tensor offset, int fmt, int group, int N) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
   m.def("isa() -> str", &isa_name);
@@ -789,4 +848,5 @@ TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("argmax", &argmax);
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,6 +283,33 @@ def codes_only_names(named: list[tuple[str, str, tuple[int, int]]]) -> set[str]:
     return keep
 
 
+def _codes_later(ckpt: GGUFCheckpoint, tensor, heads: int) -> Callable[[], tuple]:
+    """`block_codes(tensor)` (rows un-permuted for `heads` > 0), read when called: the loader
+    packs one layer at a time, so the file's codes are never all unpacked at once, and the
+    file's pages a tensor was read from leave the process's memory once it is read."""
+    def read() -> tuple:
+        fmt, *parts = block_codes(tensor, ckpt.path)
+        _drop_pages(ckpt.reader, tensor)
+        if heads:
+            parts = [p if p is None else _unpermute(p, heads) for p in parts]
+        return (fmt, *parts)
+    return read
+
+
+def _drop_pages(reader, tensor) -> None:
+    """Unmap the pages of `tensor`'s bytes from this process (they stay in the page cache and
+    come back on the next read): a read-only mapping's pages otherwise count as resident
+    memory until the reader goes. Best effort: nothing happens where madvise is missing."""
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(tensor.data_offset) + int(tensor.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
 def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | None = None,
                codes_only: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
     """HF-named float32 tensors, and the GGUF tensors that map to nothing. `blocks`, when
@@ -308,18 +336,17 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
         if name in stub:
             permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
-            fmt, *parts = block_codes(t, ckpt.path)
-            if permute and parts[0].shape[0] % (2 * heads) == 0:
-                parts = [p if p is None else _unpermute(p, heads) for p in parts]
-            elif permute:  # a shape that does not split into heads: the full path says so
+            N, K = (int(n) for n in reversed(t.shape))
+            if permute and N % (2 * heads):  # a shape that does not split into heads: the full path says so
                 stub.discard(name)
-            if name in stub:
+            else:
                 if types is not None:
                     types[name] = t.tensor_type.name
-                blocks[name] = (fmt, *parts)
-                state[name] = placeholder(*parts[0].shape)
+                blocks[name] = _codes_later(ckpt, t, heads if permute else 0)
+                state[name] = placeholder(N, K)
                 continue
         w = _dequantize(t, ckpt.path)
+        _drop_pages(ckpt.reader, t)
         if types is not None:
             types[name] = t.tensor_type.name
         permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
@@ -446,7 +473,8 @@ def _layer(path: str, lin, tied: bool, blocks: dict, types: dict):
 
     names = weight_sources(path, tied)
     bias = None if lin.bias is None else lin.bias.detach()
-    got = [blocks.get(n) for n in names]
+    got = [blocks.pop(n, None) for n in names]  # each layer's codes once, freed once packed
+    got = [g() if callable(g) else g for g in got]
     if all(g is not None for g in got) and len({g[0] for g in got}) == 1:
         fmt = got[0][0]
         if any(g[3] is None for g in got) and any(g[3] is not None for g in got):
