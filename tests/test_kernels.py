@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 import eagle3
 from conftest import make_hf_model
 from eagle3.errors import Eagle3Error
-from eagle3.kernels import argmax as kernel_argmax
 from eagle3.kernels import (
     FORMATS,
     QLinear,
@@ -38,6 +37,7 @@ from eagle3.kernels import (
     unpack_codes,
     use_isa,
 )
+from eagle3.kernels import argmax as kernel_argmax
 from eagle3.kv import masked_attention
 
 GROUPS = {"float32": [None], "bfloat16": [None], "int8": [32, 64], "int4": [32, 64]}

@@ -54,9 +54,19 @@ class GGUFCheckpoint:
 
     path: str
     config: dict  # config.json-style, for parse_decoder_config
-    reader: object  # gguf.GGUFReader (tensors are memory-mapped until `state_dict`)
+    reader: GGUFTensors  # the file's tensors, memory-mapped until `state_dict` reads them
     arch: str
     metadata: dict  # scalar metadata (tokenizer arrays left out)
+
+
+@dataclass
+class GGUFTensors:
+    """What loading needs of a `gguf.GGUFReader` once the metadata is read: its tensors (name,
+    type, shape, offset, memory-mapped data) and the file's mapping. The reader itself goes:
+    its parsed metadata (a vocabulary as ~100k small arrays) holds ~150 MB for SmolLM2."""
+
+    tensors: list
+    data: np.memmap
 
 
 def _reader(path: str):
@@ -109,7 +119,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     if "rope_freqs.weight" in rows:
         raise Eagle3Error(f"{path} carries per-frequency RoPE factors (rope_freqs, Llama 3.1 style), "
                           "which the GGUF loader does not map yet; load the Hugging Face checkpoint")
-    return GGUFCheckpoint(path, _hf_config(meta, arch, rows, path), reader, arch, meta)
+    config = _hf_config(meta, arch, rows, path)
+    return GGUFCheckpoint(path, config, GGUFTensors(list(reader.tensors), reader.data), arch, meta)
 
 
 def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
