@@ -18,7 +18,7 @@ from eagle3.cli.bench import parse_ks
 from eagle3.decoding.costs import AUTO_MAX_K, PRIOR_ACCEPT, Acceptance, RoundCosts, choose_plan
 from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head, save_head
-from eagle3.speculator import PROBE_EVERY, Eagle3Speculator
+from eagle3.speculator import EXPLORE_PLAIN, PROBE_EVERY, Eagle3Speculator
 from eagle3.targets import load_target
 from heads import forced_head, save_bigram_target
 
@@ -123,6 +123,25 @@ def test_auto_is_lossless_and_settles_on_the_right_k(target, mode, expect):
         assert r.token_ids == plain(t, PROMPTS[0], n)
         assert r.stats["rounds"] > 0 and r.stats["drafted_per_position"][0] == r.stats["rounds"]
         assert r.stats["target_forwards"] == n  # nothing accepted: one forward per token
+
+
+def test_auto_times_plain_rounds_once_before_trusting_the_model(target):
+    """The calibration's few forwards can misjudge a plain step on a busy machine: automatic K
+    runs EXPLORE_PLAIN plain rounds once per speculator (at its first re-choice) to time them,
+    stays lossless, and the next generation trusts the timed model."""
+    t = load_target(target)
+    attach_head(head := forced_head(t, "full"), t)
+    spec = Eagle3Speculator(t, head)
+    spec.costs = flat_cost(1.0, 0.05)
+    spec.costs.plain = {1: 50.0}  # misjudged: by the model alone, plain decoding never pays
+    p, n = PROMPTS[0], 160
+    plain_rounds = []
+    for _ in range(2):
+        r = spec.generate(p, n, stop_token_ids=[])
+        assert r.token_ids == plain(t, p, n)
+        plain_rounds.append(r.stats["target_forwards"] - r.stats["rounds"] - 1)  # less the prompt's
+    assert spec.observed.seen(1, Plan())
+    assert plain_rounds[0] >= EXPLORE_PLAIN > plain_rounds[1]
 
 
 def test_first_auto_generation_measures_the_cost_model(target):

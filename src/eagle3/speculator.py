@@ -44,6 +44,7 @@ from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
 PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
+EXPLORE_PLAIN = 3  # plain rounds automatic K times once per speculator, before trusting its model
 
 
 @dataclass
@@ -276,7 +277,8 @@ class Eagle3Speculator:
         backend = self.backend
         t0 = time.perf_counter()
         prefill(backend, seq)
-        plain_rounds = 0
+        plain_rounds = explore = 0
+        explored = False
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
@@ -290,15 +292,25 @@ class Eagle3Speculator:
                                          self.costs.round_ms(1, plan))
                 if stats["rounds"] % REPICK_EVERY == 0:
                     plan = self._auto_plan()
+                    if plan.drafts and not explored and not self.observed.seen(1, Plan()):
+                        # Plain rounds were never timed here: the calibration's few forwards can
+                        # misjudge them on a busy machine, and only a run puts them right.
+                        plan, explore, explored = Plan(), EXPLORE_PLAIN, True
                     stats["num_draft_tokens"] = plan.k
             elif automatic and not plan.drafts:
                 # Plain rounds teach nothing about the head (the draft's backlog is kept, so it
                 # can resume): every PROBE_EVERY of them, REPICK_EVERY rounds of K=1 measure
                 # its acceptance on this text again before the next choice.
                 plain_rounds += 1
-                if plain_rounds % PROBE_EVERY == 0:
+                self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
+                                     self.costs.round_ms(1, plan))
+                if explore:
+                    explore -= 1
+                    if not explore:
+                        plan = self._auto_plan()
+                elif plain_rounds % PROBE_EVERY == 0:
                     plan = Plan(1)
-                    stats["num_draft_tokens"] = 1
+                stats["num_draft_tokens"] = plan.k
         stats["seconds"] = time.perf_counter() - t0
         if self.draft is not None:
             self._check_acceptance(stats)

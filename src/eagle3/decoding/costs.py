@@ -210,6 +210,10 @@ class Observed:
         old = self.ratio.get(key)
         self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
 
+    def seen(self, B: int, plan: Plan) -> bool:
+        """Whether rounds of `plan` at batch size B were measured."""
+        return (B, plan) in self.ratio
+
     def scale(self, B: int, plan: Plan) -> float:
         """The correction for this plan at this batch size. A drafting plan that has not run yet
         borrows the correction of the drafting plan run at this size whose verify is nearest in
