@@ -287,6 +287,29 @@ def test_attention_rows_are_independent_of_the_call(hd, softcap, path):
         torch.ops.eagle3.attention(q, kb, v, mask[None], 0.3, 0.0)
 
 
+@pytest.mark.parametrize("nh,nkv,T", [(9, 3, 1), (9, 3, 4), (7, 1, 2), (8, 1, 1), (6, 2, 5)])
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_query_heads_score_as_each_head_alone(nh, nkv, T, path):
+    """The heads sharing a key/value head are scored together (in chunks that depend on the
+    call's size): each head's output equals that head computed alone bit for bit, and equals
+    the scalar path, for groups of 1 to 8 heads and any number of rows."""
+    g = torch.Generator().manual_seed(nh * 10 + T)
+    S = 53
+    q = torch.randn(1, nh, T, 64, generator=g)
+    k, v = torch.randn(1, nkv, S, 64, generator=g).bfloat16(), torch.randn(1, nkv, S, 64, generator=g).bfloat16()
+    mask = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    with use_isa(path):
+        out = masked_attention(q, k, v, mask, 0.125, None, exact=True)  # (1, T, nh * 64)
+        G = nh // nkv
+        for h in range(nh):
+            kh = h // G
+            alone = masked_attention(q[:, h:h + 1], k[:, kh:kh + 1], v[:, kh:kh + 1], mask, 0.125, None,
+                                     exact=True)
+            assert torch.equal(alone[..., :], out[..., h * 64:(h + 1) * 64]), h
+    with use_isa("scalar"):
+        assert torch.equal(out, masked_attention(q, k, v, mask, 0.125, None, exact=True))
+
+
 def check_attention_rows(hd, softcap):
     torch.manual_seed(0)
     S, T = 37, 6

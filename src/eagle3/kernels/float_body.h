@@ -7,7 +7,7 @@
 // (T > 1) verify as in a 1-row decode.
 //
 // Needs from the including scope: V (zero, set1, load, load_n, load_bf16, load_bf16_n,
-// store, store_n, fma, add, sub, mul, max, round_even, reduce), and the constants MT (rows per
+// store, store_n, fma, add, sub, mul, max, round_even, reduce, reduce16), and the constants MT (rows per
 // register tile) and NB (weight rows per register tile).
 
 // ---- int8 activations: each row quantized per block of 32, from that row alone -------------
@@ -136,70 +136,150 @@ inline V exp_neg(V x) {
   return V::mul(p, V::pow2(n));
 }
 
+// Scores of one query row against its n kept keys for GC query heads that share a key/value
+// head: each key row is read (and widened from bf16) once for all GC heads. Per head, the
+// same fused multiply-adds in the same order as one head alone, and each key's 16 lanes are
+// summed by the fixed tree (`V::reduce16`: 16 keys at a time where the path can), so the
+// same bits as scoring each head on its own.
+template <typename W, int GC>
+void attention_scores(const AttnArgs& a, const float* const* qr, const W* kb, const int32_t* kp,
+                      int64_t n, float* const* sb, float* mx) {
+  const int64_t hd = a.hd;
+  alignas(64) float part[GC][256];  // per head: 16 keys' 16-lane sums
+  alignas(64) float s16[16];
+  V vmx[GC];  // per lane the largest score seen (a max in any order is the same number)
+  for (int g = 0; g < GC; ++g) {
+    mx[g] = -INFINITY;
+    vmx[g] = V::set1(-INFINITY);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, n - j0));
+    for (int jj = 0; jj < nk; ++jj) {
+      const W* kr = kb + kp[j0 + jj] * a.ks[2];
+      V acc[GC];
+      for (int g = 0; g < GC; ++g) acc[g] = V::zero();
+      int64_t d = 0;
+      for (; d + 16 <= hd; d += 16) {
+        const V kv = load_w<W>(kr + d);
+        for (int g = 0; g < GC; ++g) acc[g] = V::fma(V::load(qr[g] + d), kv, acc[g]);
+      }
+      if (d < hd) {
+        const V kv = load_w_n<W>(kr + d, static_cast<int>(hd - d));
+        for (int g = 0; g < GC; ++g) acc[g] = V::fma(V::load_n(qr[g] + d, static_cast<int>(hd - d)), kv, acc[g]);
+      }
+      for (int g = 0; g < GC; ++g) V::store(part[g] + 16 * jj, acc[g]);
+    }
+    for (int g = 0; g < GC; ++g) {
+      V::reduce16(part[g], nk, s16);
+      if (nk == 16 && !(a.softcap > 0.f)) {
+        const V x = V::mul(V::load(s16), V::set1(a.scale));
+        V::store(sb[g] + j0, x);
+        vmx[g] = V::max(x, vmx[g]);
+        continue;
+      }
+      for (int jj = 0; jj < nk; ++jj) {
+        float x = s16[jj] * a.scale;
+        if (a.softcap > 0.f) x = std::tanh(x / a.softcap) * a.softcap;
+        sb[g][j0 + jj] = x;
+        mx[g] = std::max(mx[g], x);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    V::store(s16, vmx[g]);
+    for (int l = 0; l < 16; ++l) mx[g] = std::max(mx[g], s16[l]);
+  }
+}
+
 // out[b, t, h*hd:(h+1)*hd] = softmax(scale * q[b, h, t] . k[b, h/g, s] over the s that
 // mask[b, t, s] allows) @ v[b, h/g]. Masked keys are skipped, not zeroed, and the allowed
 // keys are visited in slot order, so a row's result depends only on its query and the keys
 // it may see, whatever sits in the masked slots and however long the cache is.
 // KV is float32 or bf16 (W = uint16_t: each element rounded alone when written, so a row's
 // keys are the same whatever else the call holds).
+// Unit i = (b, key/value head, chunk of up to a.hc query heads sharing it, t); `attention_units`
+// counts them. The chunk's heads share the mask row and the key reads (`attention_scores`);
+// how heads are chunked changes no head's arithmetic.
+constexpr int64_t HEAD_CHUNK = 4;  // the most heads a unit scores together (a.hc <= it)
+inline int64_t attention_units(const AttnArgs& a) {
+  return a.nh / a.group * ((a.group + a.hc - 1) / a.hc) * a.T;
+}
+
 template <typename W>
 void attention_rows(const AttnArgs& a, int64_t i0, int64_t i1) {
-  const int64_t T = a.T, nh = a.nh, hd = a.hd, S = a.S;
+  const int64_t T = a.T, nh = a.nh, hd = a.hd, S = a.S, G = a.group;
+  const int64_t hc = a.hc, nkv = nh / G, chunks = (G + hc - 1) / hc, per_b = nkv * chunks * T;
   thread_local std::vector<float> sbuf;
   thread_local std::vector<int32_t> keep;
-  if (static_cast<int64_t>(sbuf.size()) < S + 16) sbuf.resize(S + 16);
+  const int64_t stride = S + 16;
+  if (static_cast<int64_t>(sbuf.size()) < HEAD_CHUNK * stride) sbuf.resize(HEAD_CHUNK * stride);
   if (static_cast<int64_t>(keep.size()) < S) keep.resize(S);
-  float* sb = sbuf.data();
   int32_t* kp = keep.data();
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / (nh * T), h = (i / T) % nh, t = i % T, kh = h / a.group;
-    const float* qr = a.q + b * a.qs[0] + h * a.qs[1] + t * a.qs[2];
+    const int64_t b = i / per_b, kh = (i / (chunks * T)) % nkv, c = (i / T) % chunks, t = i % T;
+    const int64_t h0 = kh * G + c * hc, gc = std::min(hc, G - c * hc);
     const W* kb = static_cast<const W*>(a.k) + b * a.ks[0] + kh * a.ks[1];
     const W* vb = static_cast<const W*>(a.v) + b * a.vs[0] + kh * a.vs[1];
     const bool* mr = a.mask + b * a.ms[0] + t * a.ms[1];
     int64_t n = 0;
     for (int64_t s = 0; s < S; ++s)
       if (mr[s * a.ms[2]]) kp[n++] = static_cast<int32_t>(s);
-    float* o = a.out + (b * T + t) * nh * hd + h * hd;
+    const float* qr[HEAD_CHUNK];
+    float* sb[HEAD_CHUNK];
+    float mx[HEAD_CHUNK];
+    for (int64_t g = 0; g < gc; ++g) {
+      qr[g] = a.q + b * a.qs[0] + (h0 + g) * a.qs[1] + t * a.qs[2];
+      sb[g] = sbuf.data() + g * stride;
+    }
     if (n == 0) {
-      std::memset(o, 0, hd * sizeof(float));
+      for (int64_t g = 0; g < gc; ++g) std::memset(a.out + (b * T + t) * nh * hd + (h0 + g) * hd, 0, hd * sizeof(float));
       continue;
     }
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      const W* kr = kb + kp[j] * a.ks[2];
-      V acc = V::zero();
-      int64_t d = 0;
-      for (; d + 16 <= hd; d += 16) acc = V::fma(V::load(qr + d), load_w<W>(kr + d), acc);
-      if (d < hd) acc = V::fma(V::load_n(qr + d, hd - d), load_w_n<W>(kr + d, hd - d), acc);
-      float x = V::reduce(acc) * a.scale;
-      if (a.softcap > 0.f) x = std::tanh(x / a.softcap) * a.softcap;
-      sb[j] = x;
-      mx = std::max(mx, x);
+    switch (gc) {
+      case 1: attention_scores<W, 1>(a, qr, kb, kp, n, sb, mx); break;
+      case 2: attention_scores<W, 2>(a, qr, kb, kp, n, sb, mx); break;
+      case 3: attention_scores<W, 3>(a, qr, kb, kp, n, sb, mx); break;
+      default: attention_scores<W, 4>(a, qr, kb, kp, n, sb, mx); break;
     }
-    for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sb[j] = mx;
-    const V vmx = V::set1(mx);
-    for (int64_t j = 0; j < n; j += 16) V::store(sb + j, exp_neg(V::sub(V::load(sb + j), vmx)));
-    // The denominator in 16 lanes (weights j, j + 16, ... in lane j % 16), then the fixed tree:
-    // no serial chain of n additions.
-    V dsum = V::zero();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) dsum = V::add(dsum, V::load(sb + j));
-    if (j < n) dsum = V::add(dsum, V::load_n(sb + j, static_cast<int>(n - j)));
-    const V inv = V::set1(1.f / V::reduce(dsum));
-    // Up to 64 output dims per pass over the keys: four independent accumulators, each still
-    // summing its keys in slot order (the same bits as one dim block at a time).
-    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-      const int nc = static_cast<int>(std::min<int64_t>(4, (hd - d0 + 15) / 16));
-      int live[4];
-      for (int c = 0; c < 4; ++c) live[c] = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * c)));
-      V acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const V w = V::set1(sb[jj]);
-        const W* vr = vb + kp[jj] * a.vs[2] + d0;
-        for (int c = 0; c < nc; ++c) acc[c] = V::fma(w, load_w_n<W>(vr + 16 * c, live[c]), acc[c]);
+    for (int64_t g = 0; g < gc; ++g) {
+      float* sg = sb[g];
+      float* o = a.out + (b * T + t) * nh * hd + (h0 + g) * hd;
+      for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) sg[j] = mx[g];
+      const V vmx = V::set1(mx[g]);
+      for (int64_t j = 0; j < n; j += 16) V::store(sg + j, exp_neg(V::sub(V::load(sg + j), vmx)));
+      // The denominator in 16 lanes (weights j, j + 16, ... in lane j % 16), then the fixed
+      // tree: no serial chain of n additions.
+      V dsum = V::zero();
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) dsum = V::add(dsum, V::load(sg + j));
+      if (j < n) dsum = V::add(dsum, V::load_n(sg + j, static_cast<int>(n - j)));
+      const V inv = V::set1(1.f / V::reduce(dsum));
+      // Up to 64 output dims per pass over the keys: four independent accumulators, each still
+      // summing its keys in slot order (the same bits as one dim block at a time).
+      for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+        const int nc = static_cast<int>(std::min<int64_t>(4, (hd - d0 + 15) / 16));
+        int live[4];
+        for (int q = 0; q < 4; ++q) live[q] = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16 * q)));
+        V acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+        const int64_t vs = a.vs[2];
+        if (hd - d0 >= 64) {  // four whole blocks: accumulators in registers, no masks
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const V w = V::set1(sg[jj]);
+            const W* vr = vb + kp[jj] * vs + d0;
+            acc[0] = V::fma(w, load_w<W>(vr), acc[0]);
+            acc[1] = V::fma(w, load_w<W>(vr + 16), acc[1]);
+            acc[2] = V::fma(w, load_w<W>(vr + 32), acc[2]);
+            acc[3] = V::fma(w, load_w<W>(vr + 48), acc[3]);
+          }
+        } else {
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const V w = V::set1(sg[jj]);
+            const W* vr = vb + kp[jj] * vs + d0;
+            for (int q = 0; q < nc; ++q) acc[q] = V::fma(w, load_w_n<W>(vr + 16 * q, live[q]), acc[q]);
+          }
+        }
+        for (int q = 0; q < nc; ++q) V::store_n(o + d0 + 16 * q, V::mul(acc[q], inv), live[q]);
       }
-      for (int c = 0; c < nc; ++c) V::store_n(o + d0 + 16 * c, V::mul(acc[c], inv), live[c]);
     }
   }
 }

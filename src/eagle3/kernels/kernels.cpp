@@ -60,6 +60,7 @@ struct AttnArgs {
   int64_t T, nh, hd, S, group;
   int64_t qs[3], ks[3], vs[3], ms[3];
   float scale, softcap;
+  int64_t hc;  // query heads per unit of work (`attention_units`), 1..HEAD_CHUNK
 };
 
 struct RopeArgs {
@@ -159,6 +160,9 @@ struct V {
     for (int i = 0; i < 8; ++i) s8[i] = a.l[i] + a.l[i + 8];
     for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  }
+  static void reduce16(const float* p, int n, float* out) {  // out[j] = reduce(p[16 j ..])
+    for (int j = 0; j < n; ++j) out[j] = reduce(load(p + 16 * j));
   }
 };
 constexpr int MT = 1;
@@ -273,6 +277,9 @@ struct V {  // lanes 0..7 in lo, 8..15 in hi
   }
   static V pow2(V n) { return make(pow2x8(n.lo), pow2x8(n.hi)); }
   static float reduce(V a) { return reduce8(_mm256_add_ps(a.lo, a.hi)); }
+  static void reduce16(const float* p, int n, float* out) {
+    for (int j = 0; j < n; ++j) out[j] = reduce(load(p + 16 * j));
+  }
 };
 constexpr int MT = 3;
 constexpr int NB = 1;
@@ -374,6 +381,29 @@ struct V {
   static float reduce(V a) {  // lanes i + (i + 8), then the AVX2 path's tree
     return isa_avx2::reduce8(_mm256_add_ps(_mm512_castps512_ps256(a.v),
                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1))));
+  }
+  // reduce() of 16 vectors at once: the same additions (lanes i + (i + 8), then i + (i + 4),
+  // then (0 + 2, 1 + 3), then the two), done for 16 keys per instruction by shuffles.
+  static void reduce16(const float* p, int n, float* out) {
+    if (n < 16) {
+      for (int j = 0; j < n; ++j) out[j] = reduce(load(p + 16 * j));
+      return;
+    }
+    __m512 x[8], y[4], z[2];
+    for (int k = 0; k < 8; ++k) {  // x[k]: s8 of vectors 2k, 2k + 1
+      const __m512 a = _mm512_loadu_ps(p + 32 * k), b = _mm512_loadu_ps(p + 32 * k + 16);
+      x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int k = 0; k < 4; ++k)  // y[k], 128-bit chunk m: s4 of vector 4k + m
+      y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                           _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)  // z[k], chunk m: s2 of vectors 8k + m, 8k + 4 + m
+      z[k] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * k], y[2 * k + 1], 0x44),
+                           _mm512_shuffle_ps(y[2 * k], y[2 * k + 1], 0xEE));
+    // chunk m, lane l: the sum of vector m + 4 l; put vector j in lane j
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, r));
   }
 };
 constexpr int MT = 6;
@@ -631,6 +661,8 @@ at::Tensor wlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   return packed_linear(xc, w, scale, offset, fmt, N);
 }
 
+int64_t attention_units_of(const AttnArgs& a) { return isa_scalar::attention_units(a); }
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& mask, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3,
@@ -649,10 +681,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
              out.data_ptr<float>(), T, nh, hd, S, nh / nkv,
              {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
              {v.stride(0), v.stride(1), v.stride(2)}, {mask.stride(0), mask.stride(1), mask.stride(2)},
-             static_cast<float>(scale), static_cast<float>(softcap)};
+             static_cast<float>(scale), static_cast<float>(softcap), 1};
+  // The heads sharing a key/value head are scored together, in chunks small enough to give
+  // every thread work (one decode row of a GQA model has few key/value heads).
+  const int64_t group = nh / nkv;
+  a.hc = std::min<int64_t>(isa_scalar::HEAD_CHUNK, group);
+  while (a.hc > 1 && B * isa_scalar::attention_units(a) < 2 * at::get_num_threads()) a.hc = (a.hc + 1) / 2;
   const int isa = current_isa().load();
   const bool bf16 = k.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, B * nh * T, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * attention_units_of(a), 1, [&](int64_t i0, int64_t i1) {
     if (bf16) {
       if (isa == AVX512) isa_avx512::attention_rows<uint16_t>(a, i0, i1);
       else if (isa == AVX2) isa_avx2::attention_rows<uint16_t>(a, i0, i1);
