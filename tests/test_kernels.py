@@ -296,7 +296,8 @@ def test_grouped_query_heads_score_as_each_head_alone(nh, nkv, T, path):
     g = torch.Generator().manual_seed(nh * 10 + T)
     S = 53
     q = torch.randn(1, nh, T, 64, generator=g)
-    k, v = torch.randn(1, nkv, S, 64, generator=g).bfloat16(), torch.randn(1, nkv, S, 64, generator=g).bfloat16()
+    k = torch.randn(1, nkv, S, 64, generator=g).bfloat16()
+    v = torch.randn(1, nkv, S, 64, generator=g).bfloat16()
     mask = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
     with use_isa(path):
         out = masked_attention(q, k, v, mask, 0.125, None, exact=True)  # (1, T, nh * 64)
