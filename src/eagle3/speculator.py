@@ -44,7 +44,7 @@ from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
 PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
-EXPLORE_PLAIN = 3  # plain rounds automatic K times once per speculator, before trusting its model
+EXPLORE_PLAIN = 6  # plain rounds automatic K runs once per speculator to time them (all but the first)
 
 
 @dataclass
@@ -279,10 +279,12 @@ class Eagle3Speculator:
         prefill(backend, seq)
         plain_rounds = explore = 0
         explored = False
+        after_plain = False  # whether the round before this one was a plain one
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
             (v,) = run_round(backend, [seq], plan)
+            ran_plain = not plan.drafts
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
             if automatic and v.depths:
@@ -302,8 +304,9 @@ class Eagle3Speculator:
                 # can resume): every PROBE_EVERY of them, REPICK_EVERY rounds of K=1 measure
                 # its acceptance on this text again before the next choice.
                 plain_rounds += 1
-                self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
-                                     self.costs.round_ms(1, plan))
+                if after_plain:  # the first plain round still pays for the head's cache traffic
+                    self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
+                                         self.costs.round_ms(1, plan))
                 if explore:
                     explore -= 1
                     if not explore:
@@ -311,6 +314,7 @@ class Eagle3Speculator:
                 elif plain_rounds % PROBE_EVERY == 0:
                     plan = Plan(1)
                 stats["num_draft_tokens"] = plan.k
+            after_plain = ran_plain
         stats["seconds"] = time.perf_counter() - t0
         if self.draft is not None:
             self._check_acceptance(stats)
