@@ -39,5 +39,5 @@ cmake -S "$SRC" -B "$ROOT/cmake" -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF \
   > "$ROOT/configure.log"
 cmake --build "$ROOT/cmake" -j "$(nproc)" --target llama-bench llama-speculative-simple \
-  llama-completion llama-cli llama-server
+  llama-completion llama-cli llama-server llama-perplexity
 ls "$ROOT/cmake/bin"

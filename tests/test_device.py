@@ -32,7 +32,8 @@ def test_generate_and_engine_on_device(bigram, tmp_path, device):
     head = forced_head(load_target(bigram), "partial")
     save_head(head, str(tmp_path / "head"), fmt="speculators")
     spec = eagle3.load(bigram, str(tmp_path / "head"), device=device)
-    assert spec.target_device.type == device and all(t.device.type == device for t in spec.draft.state_dict().values())
+    assert spec.target_device.type == device
+    assert all(t.device.type == device for t in spec.draft.state_dict().values())
     plain = spec.plain()
     prompts = [[3, 17, 9], [40, 2, 7, 11, 5]]
     for p in prompts:

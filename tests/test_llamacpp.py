@@ -125,3 +125,47 @@ def test_bench_runs_llama_cpp_plain_and_eagle3_on_the_default(tmp_path):
     assert set(peers) == {"llama.cpp plain", "llama.cpp eagle3 K=2"}
     assert all(p["tokens_per_s"] > 0 and p["tokens"] > 0 for p in peers.values())
     assert peers["llama.cpp eagle3 K=2"]["mean_accept_len"] >= 1.0
+
+
+def test_saved_logits_file_reads_back_llama_cpps_log_probs(tmp_path):
+    """`read_saved_logits` decodes `llama-perplexity --kl-divergence-base`'s format (written here
+    as its source writes it: magic, n_ctx, n_vocab, n_chunk, tokens, then per saved position two
+    floats, scale and floor, and 16-bit codes over the vocabulary padded to even); a truncated
+    file is a one-line error."""
+    from eagle3.bench.llamacpp import read_saved_logits
+    from eagle3.errors import Eagle3Error
+
+    n_ctx, n_vocab, n_chunk = 6, 5, 2
+    first, n_pos, nv = 3, 6 - 1 - 3, 2 * ((5 + 1) // 2) + 4
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, n_vocab, (n_chunk, n_ctx)).astype(np.int32)
+    logits = rng.normal(size=(n_chunk, n_pos, n_vocab)).astype(np.float32)
+    logits[0, 0, 0] = -40.0  # more than 16 below the top: stored as the floor
+    rec = np.zeros((n_chunk, n_pos, nv), np.uint16)
+    want = np.zeros_like(logits)
+    for c in range(n_chunk):
+        for p in range(n_pos):
+            x = logits[c, p]
+            mx, mn = x.max(), max(x.min(), x.max() - 16)
+            lse = np.log(np.exp(x.astype(np.float64) - mx).sum())
+            scale, floor = np.float32((mx - mn) / 65535), np.float32(mn - mx - lse)
+            rec[c, p, :4] = np.array([scale, floor], np.float32).view(np.uint16)
+            q = np.where(x > mn, np.rint((x - mn) / scale), 0).astype(np.uint16)
+            rec[c, p, 4:4 + n_vocab] = q
+            want[c, p] = floor + scale * q.astype(np.float32)
+    path = tmp_path / "logits.bin"
+    path.write_bytes(b"_logits_" + np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes()
+                     + tokens.tobytes() + rec.tobytes())
+    got = read_saved_logits(str(path))
+    assert (got["n_ctx"], got["n_vocab"], got["first"]) == (n_ctx, n_vocab, first)
+    assert np.array_equal(got["tokens"], tokens)
+    np.testing.assert_allclose(got["log_probs"], want, rtol=0, atol=1e-6)
+    # above the floor, the codes hold the log-softmax to the format's resolution
+    ref = logits - logits.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    above = got["log_probs"] > got["floor"][..., None]
+    assert above.sum() == logits.size - n_chunk * n_pos  # each position's lowest sits on the floor
+    np.testing.assert_allclose(got["log_probs"][above], ref[above], atol=16 / 65535)
+    path.write_bytes(path.read_bytes()[:-2])
+    with pytest.raises(Eagle3Error, match="truncated"):
+        read_saved_logits(str(path))

@@ -102,3 +102,35 @@ def cost_ratios(gguf: str, threads: int, ms: tuple[int, ...] = (2, 4, 8)) -> dic
     ratios = {f"cost_{r['n_prompt']}_over_1": (r["n_prompt"] / r["avg_ts"]) * tg
               for r in rows if r["n_prompt"] > 0}
     return {"llama_bench_tg_tokens_per_s": tg, **ratios}
+
+
+def read_saved_logits(path: str) -> dict[str, Any]:
+    """A `llama-perplexity --kl-divergence-base FILE` file: {"n_ctx", "n_vocab", "tokens"
+    (n_chunk x n_ctx token ids as llama.cpp tokenized the text), "first" (the first position
+    of a chunk whose distribution is saved), "log_probs" (n_chunk, n_ctx - 1 - first, n_vocab)
+    float32 log-probabilities, "floor" (n_chunk, n_ctx - 1 - first): the value stored for every
+    token more than 16 nats below the top one)}. llama.cpp keeps each position's log-probs in
+    16 bits over the top 16 nats (resolution 16 / 65535)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:8] != b"_logits_":
+        raise Eagle3Error(f"{path} is not a llama-perplexity logits file (no _logits_ magic)")
+    n_ctx, n_vocab, n_chunk = (int(x) for x in np.frombuffer(raw, np.int32, 3, 8))
+    at = 20
+    tokens = np.frombuffer(raw, np.int32, n_chunk * n_ctx, at).reshape(n_chunk, n_ctx)
+    at += 4 * n_chunk * n_ctx
+    first = n_ctx // 2
+    n_pos, nv = n_ctx - 1 - first, 2 * ((n_vocab + 1) // 2) + 4
+    want = at + 2 * n_chunk * n_pos * nv
+    if len(raw) != want:
+        raise Eagle3Error(f"{path} holds {len(raw)} bytes, {want} expected for {n_chunk} chunks of "
+                          f"{n_ctx} tokens over {n_vocab}: truncated or another format")
+    rec = np.frombuffer(raw, np.uint16, n_chunk * n_pos * nv, at).reshape(n_chunk, n_pos, nv)
+    head = rec[..., :4].copy().view(np.float32)  # (.., 2): scale, the floor's log-prob
+    scale, floor = head[..., 0], head[..., 1]
+    q = rec[..., 4:4 + n_vocab].astype(np.float32)
+    log_probs = floor[..., None] + scale[..., None] * q
+    return {"n_ctx": n_ctx, "n_vocab": n_vocab, "tokens": tokens, "first": first,
+            "log_probs": log_probs, "floor": floor}
