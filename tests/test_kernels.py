@@ -58,6 +58,8 @@ def test_kernels_build_on_every_x86_cpu():
     want = ["scalar"]
     if all(f in flags.split() for f in ("avx2", "fma", "f16c")):
         want.append("avx2")
+    if all(f in flags.split() for f in ("avx2", "fma", "f16c", "avx_vnni")):
+        want.append("avxvnni")
     if all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")):
         want.append("avx512")
     assert sorted(PATHS) == sorted(want)

@@ -31,7 +31,7 @@ QUANTIZE_HELP = ("weight format of the native target's linear layers (and the he
                  "Q8_0: blocks of 32), int4 (Q4_1: blocks of 32; int4-g64, int8-g64 set the group), gguf "
                  "(a .gguf target's Q8_0/Q4_0/Q4_1 codes as stored, other types to the nearest format), "
                  "or none (stock PyTorch layers). Every format but none runs row-invariant kernels on "
-                 "any x86-64 CPU (AVX-512 VNNI, AVX2 or scalar, the same bits on each; EAGLE3_ISA "
+                 "any x86-64 CPU (AVX-512 VNNI, AVX-VNNI, AVX2 or scalar, the same bits on each; EAGLE3_ISA "
                  "forces one): speculative output is bit-identical to plain decoding in the same "
                  "format. int8/int4/gguf multiply int8-quantized activations by the codes in exact "
                  "integer arithmetic, as llama.cpp does; the rest of the model stays float32")

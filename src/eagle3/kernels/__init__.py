@@ -19,8 +19,9 @@ per call whatever the number of rows (weight-stationary).
 
 The kernels are a C++ extension built on first use for any x86-64 CPU (about 20 s, cached by
 `torch.utils.cpp_extension` under ~/.cache/torch_extensions). At run time they take the best
-instruction-set path the CPU has: ``avx512`` (AVX-512 VNNI), ``avx2`` (AVX2 + FMA + F16C)
-or ``scalar``; every path gives the same bits. `EAGLE3_ISA=scalar|avx2|avx512` forces one
+instruction-set path the CPU has: ``avx512`` (AVX-512 VNNI), ``avxvnni`` (AVX2 with 256-bit
+VNNI: Alder Lake and later client CPUs), ``avx2`` (AVX2 + FMA + F16C) or ``scalar``; every path
+gives the same bits. `EAGLE3_ISA=scalar|avx2|avxvnni|avx512` forces one
 (for tests and comparisons); `isa()` names the one in use. Elsewhere (another architecture,
 CUDA tensors) `reference_linear` computes the same formulas in PyTorch one row at a time.
 """
@@ -44,7 +45,7 @@ FORMATS = ("float32", "bfloat16", "int8", "int4")
 QUANTIZE_CHOICES = ("int8", "int4")
 FMT_ID = {name: i for i, name in enumerate(FORMATS)}
 BLOCK = 32  # inputs per scale in the packed formats (GGUF's block)
-ISA_PATHS = ("avx512", "avx2", "scalar")
+ISA_PATHS = ("avx512", "avxvnni", "avx2", "scalar")
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "kernels.cpp"
 _HEADER = _DIR / "float_body.h"
@@ -120,7 +121,8 @@ def _build() -> str:
 
 
 def isa() -> str:
-    """The instruction-set path the kernels run ('avx512', 'avx2', 'scalar'), or why none."""
+    """The instruction-set path the kernels run ('avx512', 'avxvnni', 'avx2', 'scalar'), or why
+    none."""
     return torch.ops.eagle3.isa() if kernel_available() else f"none ({kernel_status()})"
 
 
@@ -135,7 +137,7 @@ def cpu_name() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
                  platform.processor() or platform.machine())
     flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
-    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
+    have = [f for f in ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
     return f"{model} ({', '.join(have) or 'no AVX2'})"
 
 

@@ -49,8 +49,11 @@
 namespace {
 
 enum Format : int64_t { F32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
-enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
-const char* const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+// Ordered worst to best. AVXVNNI is AVX2 with 256-bit vpdpbusd (Alder Lake and later client
+// CPUs, which have no AVX-512): its float kernels are the AVX2 path's, its packed matmul its own.
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVXVNNI = 2, AVX512 = 3 };
+constexpr int N_ISA = 4;
+const char* const ISA_NAMES[] = {"scalar", "avx2", "avxvnni", "avx512"};
 
 struct AttnArgs {
   const float* q;
@@ -356,6 +359,69 @@ void qlinear(const QCall& c, int64_t g0, int64_t g1) {
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
+// ===================================== AVX-VNNI =============================================
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace isa_avxvnni {
+
+// AVX2's layout, 8 columns at a time, with 256-bit vpdpbusd: unsigned codes x the row's signed
+// activation quad. INT8 codes are made unsigned by +128 (xor 0x80), which adds 128 * xs: the
+// integer sum starts from -zp * xs (as on the AVX-512 path; the same integers, so the same bits).
+template <int F>  // 0: INT8, 1: INT4 with offsets (Q4_1), 2: INT4 without (Q4_0)
+void qlinear_f(const QCall& c, int64_t g0, int64_t g1) {
+  constexpr int64_t tile = F == 0 ? 512 : 256;
+  constexpr int32_t zp = F == 0 ? 128 : F == 2 ? 8 : 0;
+  const int64_t M = c.M, nb = c.nb, K = c.K;
+  float* acc = row_accumulators(M);
+  const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc, acc + M * 16, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = c.codes + (g * nb + b) * tile;
+      const uint16_t* dp = c.d + (g * nb + b) * 16;
+      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[8];
+        if (F == 0) {
+          for (int q = 0; q < 8; ++q)
+            w[q] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h)), flip);
+        } else {
+          for (int p = 0; p < 4; ++p) {
+            const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p + 32 * h));
+            w[p] = _mm256_and_si256(r, nib);
+            w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(r, 4), nib);
+          }
+        }
+        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * h)));
+        __m256 vm = _mm256_setzero_ps();
+        if (F == 1) vm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.m + (g * nb + b) * 16 + 8 * h)));
+        float* ap = acc + 8 * h;
+        for (int64_t r = 0; r < M; ++r, ap += 16) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * K + b * 32);
+          const int64_t rb = r * nb + b;
+          __m256i s = zp ? _mm256_set1_epi32(-zp * c.xs[rb]) : _mm256_setzero_si256();
+          for (int q = 0; q < 8; ++q) s = _mm256_dpbusd_avx_epi32(s, w[q], _mm256_set1_epi32(x4[q]));
+          __m256 a = _mm256_loadu_ps(ap);
+          a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_mul_ps(vd, _mm256_set1_ps(c.xd[rb])), _mm256_cvtepi32_ps(s)));
+          if (F == 1) a = _mm256_add_ps(a, _mm256_mul_ps(vm, _mm256_set1_ps(c.xsd[rb])));
+          _mm256_storeu_ps(ap, a);
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+  }
+}
+
+void qlinear(const QCall& c, int64_t g0, int64_t g1) {
+  if (c.fmt == INT8) qlinear_f<0>(c, g0, g1);
+  else if (c.m) qlinear_f<1>(c, g0, g1);
+  else qlinear_f<2>(c, g0, g1);
+}
+
+}  // namespace isa_avxvnni
+#pragma GCC pop_options
+
 // ====================================== AVX-512 =============================================
 
 #pragma GCC push_options
@@ -555,6 +621,9 @@ bool cpu_has(Isa isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
              __builtin_cpu_supports("fma");
+    case AVXVNNI:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
     case AVX2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
@@ -563,18 +632,23 @@ bool cpu_has(Isa isa) {
   }
 }
 
-Isa best_isa() { return cpu_has(AVX512) ? AVX512 : cpu_has(AVX2) ? AVX2 : SCALAR; }
+Isa best_isa() {
+  for (int i = N_ISA - 1; i > 0; --i)
+    if (cpu_has(static_cast<Isa>(i))) return static_cast<Isa>(i);
+  return SCALAR;
+}
 
 Isa initial_isa() {
   const char* env = std::getenv("EAGLE3_ISA");
   if (env != nullptr && *env != '\0') {
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < N_ISA; ++i)
       if (std::string(env) == ISA_NAMES[i]) {
         TORCH_CHECK(cpu_has(static_cast<Isa>(i)), "EAGLE3_ISA=", env, ": this CPU cannot run it; use one of ",
-                    cpu_has(AVX512) ? "avx512, " : "", cpu_has(AVX2) ? "avx2, " : "", "scalar");
+                    cpu_has(AVX512) ? "avx512, " : "", cpu_has(AVXVNNI) ? "avxvnni, " : "",
+                    cpu_has(AVX2) ? "avx2, " : "", "scalar");
         return static_cast<Isa>(i);
       }
-    TORCH_CHECK(false, "EAGLE3_ISA=", env, " is not a path; use scalar, avx2 or avx512");
+    TORCH_CHECK(false, "EAGLE3_ISA=", env, " is not a path; use scalar, avx2, avxvnni or avx512");
   }
   return best_isa();
 }
@@ -588,22 +662,24 @@ std::string isa_name() { return ISA_NAMES[current_isa().load()]; }
 
 std::vector<std::string> isa_paths() {  // every path this CPU can run, best first
   std::vector<std::string> out;
-  for (int i = 2; i >= 0; --i)
+  for (int i = N_ISA - 1; i >= 0; --i)
     if (cpu_has(static_cast<Isa>(i))) out.push_back(ISA_NAMES[i]);
   return out;
 }
 
 std::string set_isa(const std::string& name) {
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < N_ISA; ++i)
     if (name == ISA_NAMES[i]) {
       TORCH_CHECK(cpu_has(static_cast<Isa>(i)), "this CPU cannot run the ", name, " path");
       return ISA_NAMES[current_isa().exchange(i)];
     }
-  TORCH_CHECK(false, "unknown path ", name, "; use scalar, avx2 or avx512");
+  TORCH_CHECK(false, "unknown path ", name, "; use scalar, avx2, avxvnni or avx512");
   return "";
 }
 
 // ===================================== the ops ==============================================
+
+int current_path();
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t fmt, int64_t N) {
@@ -614,7 +690,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * nb) { xd.resize(M * nb); xsd.resize(M * nb); xs.resize(M * nb); }
   const int isa = current_isa().load();
-  auto quantize = isa == AVX512 ? isa_avx512::quantize_rows : isa == AVX2 ? isa_avx2::quantize_rows : isa_scalar::quantize_rows;
+  const int fam = isa == AVXVNNI ? AVX2 : isa;
+  auto quantize = fam == AVX512 ? isa_avx512::quantize_rows : fam == AVX2 ? isa_avx2::quantize_rows : isa_scalar::quantize_rows;
   quantize(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), xsd.data());
   auto y = at::empty({M, N}, x.options());
   QCall c{xq.data(), xd.data(), xsd.data(), xs.data(), M, K, nb, N,
@@ -624,6 +701,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
           fmt, fmt == INT4 && offset.numel() == 0 ? 8 : 0, y.data_ptr<float>()};
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) isa_avx512::qlinear(c, g0, g1);
+    else if (isa == AVXVNNI) isa_avxvnni::qlinear(c, g0, g1);
     else if (isa == AVX2) isa_avx2::qlinear(c, g0, g1);
     else isa_scalar::qlinear(c, g0, g1);
   });
@@ -632,7 +710,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 
 template <typename W>
 void run_float(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
-  const int isa = current_isa().load();
+  const int isa = current_path();
   const int64_t nbk = isa == AVX512 ? isa_avx512::NB : isa == AVX2 ? isa_avx2::NB : isa_scalar::NB;
   at::parallel_for(0, (N + nbk - 1) / nbk, 16, [&](int64_t b0, int64_t b1) {
     if (isa == AVX512) isa_avx512::float_linear<W>(x, M, K, w, y, N, b0, b1);
@@ -702,7 +780,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t group = nh / nkv;
   a.hc = std::min<int64_t>(isa_scalar::HEAD_CHUNK, group);
   while (a.hc > 1 && B * isa_scalar::attention_units(a) < 2 * at::get_num_threads()) a.hc = (a.hc + 1) / 2;
-  const int isa = current_isa().load();
+  const int isa = current_path();
   const bool bf16 = k.scalar_type() == at::kBFloat16;
   at::parallel_for(0, B * attention_units_of(a), 1, [&](int64_t i0, int64_t i1) {
     if (bf16) {
@@ -733,7 +811,11 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-int current_path() { return current_isa().load(); }
+// The path of the float kernels (norms, RoPE, attention, float weights): AVXVNNI runs AVX2's.
+int current_path() {
+  const int isa = current_isa().load();
+  return isa == AVXVNNI ? AVX2 : isa;
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() >= 1 &&
