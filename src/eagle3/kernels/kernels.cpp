@@ -681,9 +681,10 @@ std::string set_isa(const std::string& name) {
 
 int current_path();
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                         const at::Tensor& offset, int64_t fmt, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+// y (M, N) = x (M, K) W^T for packed W (checked by `check_linear`), into y.
+void packed_into(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& scale,
+                 const at::Tensor& offset, int64_t fmt, int64_t N, float* y) {
+  const int64_t nb = K / 32;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xsd;
   thread_local std::vector<int32_t> xs;
@@ -692,20 +693,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int isa = current_isa().load();
   const int fam = isa == AVXVNNI ? AVX2 : isa;
   auto quantize = fam == AVX512 ? isa_avx512::quantize_rows : fam == AVX2 ? isa_avx2::quantize_rows : isa_scalar::quantize_rows;
-  quantize(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), xsd.data());
-  auto y = at::empty({M, N}, x.options());
+  quantize(x, M, K, xq.data(), xd.data(), xs.data(), xsd.data());
   QCall c{xq.data(), xd.data(), xsd.data(), xs.data(), M, K, nb, N,
           reinterpret_cast<const uint8_t*>(w.data_ptr()),
           reinterpret_cast<const uint16_t*>(scale.data_ptr()),
           offset.numel() ? reinterpret_cast<const uint16_t*>(offset.data_ptr()) : nullptr,
-          fmt, fmt == INT4 && offset.numel() == 0 ? 8 : 0, y.data_ptr<float>()};
+          fmt, fmt == INT4 && offset.numel() == 0 ? 8 : 0, y};
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     if (isa == AVX512) isa_avx512::qlinear(c, g0, g1);
     else if (isa == AVXVNNI) isa_avxvnni::qlinear(c, g0, g1);
     else if (isa == AVX2) isa_avx2::qlinear(c, g0, g1);
     else isa_scalar::qlinear(c, g0, g1);
   });
-  return y;
 }
 
 template <typename W>
@@ -719,24 +718,16 @@ void run_float(const float* x, int64_t M, int64_t K, const W* w, float* y, int64
   });
 }
 
-at::Tensor wlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                   const at::Tensor& offset, int64_t fmt, int64_t group, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "wlinear: x must be (M, K) float32");
+// What `wlinear` accepts for a weight in `fmt` with out_features N and in_features K.
+void check_linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t fmt,
+                  int64_t group, int64_t N, int64_t K) {
   TORCH_CHECK(fmt >= F32 && fmt <= INT4, "wlinear: unknown weight format ", fmt);
   TORCH_CHECK(w.is_contiguous(), "wlinear: the weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto xc = x.contiguous();
   if (fmt == F32 || fmt == BF16) {
     const auto want = fmt == F32 ? at::kFloat : at::kBFloat16;
     TORCH_CHECK(w.scalar_type() == want && w.numel() == N * K, "wlinear: a ", fmt == F32 ? "float32" : "bfloat16",
                 " weight must be (N, K) = (", N, ", ", K, ") ", fmt == F32 ? "float32" : "bfloat16");
-    auto y = at::empty({M, N}, x.options());
-    if (M > 0 && N > 0) {
-      if (fmt == F32) run_float<float>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), y.data_ptr<float>(), N);
-      else run_float<uint16_t>(xc.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                               y.data_ptr<float>(), N);
-    }
-    return y;
+    return;
   }
   TORCH_CHECK(K % 32 == 0, "wlinear: in_features must be a multiple of 32 for packed weights, got ", K);
   TORCH_CHECK(N % 16 == 0, "wlinear: out_features must be a multiple of 16 for packed weights, got ", N);
@@ -750,11 +741,29 @@ at::Tensor wlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   if (offset.numel())
     TORCH_CHECK(offset.scalar_type() == at::kHalf && offset.numel() == N * K / 32 && offset.is_contiguous(),
                 "wlinear: offsets must be (N/16, K/32, 16) float16");
-  if (M == 0) return at::empty({0, N}, x.options());
-  return packed_linear(xc, w, scale, offset, fmt, N);
 }
 
-int64_t attention_units_of(const AttnArgs& a) { return isa_scalar::attention_units(a); }
+// y (M, N) = x (M, K) W^T for a checked weight in `fmt`, into y.
+void linear_into(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& scale,
+                 const at::Tensor& offset, int64_t fmt, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  if (fmt == F32) run_float<float>(x, M, K, w.data_ptr<float>(), y, N);
+  else if (fmt == BF16) run_float<uint16_t>(x, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), y, N);
+  else packed_into(x, M, K, w, scale, offset, fmt, N, y);
+}
+
+at::Tensor wlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                   const at::Tensor& offset, int64_t fmt, int64_t group, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "wlinear: x must be (M, K) float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_linear(w, scale, offset, fmt, group, N, K);
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  linear_into(xc.data_ptr<float>(), M, K, w, scale, offset, fmt, N, y.data_ptr<float>());
+  return y;
+}
+
+void attention_into(AttnArgs a, int64_t B, bool bf16);
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& mask, double scale, double softcap) {
@@ -775,14 +784,18 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
              {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
              {v.stride(0), v.stride(1), v.stride(2)}, {mask.stride(0), mask.stride(1), mask.stride(2)},
              static_cast<float>(scale), static_cast<float>(softcap), 1};
+  attention_into(a, B, k.scalar_type() == at::kBFloat16);
+  return out;
+}
+
+// Masked attention of B batches as `a` describes it (its hc set here), into a.out.
+void attention_into(AttnArgs a, int64_t B, bool bf16) {
   // The heads sharing a key/value head are scored together, in chunks small enough to give
   // every thread work (one decode row of a GQA model has few key/value heads).
-  const int64_t group = nh / nkv;
-  a.hc = std::min<int64_t>(isa_scalar::HEAD_CHUNK, group);
+  a.hc = std::min<int64_t>(isa_scalar::HEAD_CHUNK, a.group);
   while (a.hc > 1 && B * isa_scalar::attention_units(a) < 2 * at::get_num_threads()) a.hc = (a.hc + 1) / 2;
   const int isa = current_path();
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, B * attention_units_of(a), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * isa_scalar::attention_units(a), 1, [&](int64_t i0, int64_t i1) {
     if (bf16) {
       if (isa == AVX512) isa_avx512::attention_rows<uint16_t>(a, i0, i1);
       else if (isa == AVX2) isa_avx2::attention_rows<uint16_t>(a, i0, i1);
@@ -793,7 +806,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       else isa_scalar::attention_rows<float>(a, i0, i1);
     }
   });
-  return out;
 }
 
 // argmax over the last dimension of a float32 tensor (..., n), n > 0: int64 (...).
@@ -817,6 +829,17 @@ int current_path() {
   return isa == AVXVNNI ? AVX2 : isa;
 }
 
+// y = RMSNorm(x) row by row, x and y (M, H), w (H,).
+void rms_norm_into(const float* xp, const float* wp, float* yp, int64_t M, int64_t H, double eps, bool gemma) {
+  const int isa = current_path();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    if (isa == AVX512) isa_avx512::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+    else if (isa == AVX2) isa_avx2::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+    else isa_scalar::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
+  });
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() >= 1 &&
               w.dim() == 1 && w.size(0) == x.size(-1), "rms_norm takes float32 x (..., H) and w (H,)");
@@ -824,17 +847,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool g
   auto wc = w.contiguous();
   auto y = at::empty_like(xc);
   const int64_t H = x.size(-1), M = H ? xc.numel() / H : 0;
-  const int isa = current_path();
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-    if (isa == AVX512) isa_avx512::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
-    else if (isa == AVX2) isa_avx2::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
-    else isa_scalar::rms_norm_rows(xp, wp, yp, M, H, e, gemma, r0, r1);
-  });
+  rms_norm_into(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), M, H, eps, gemma);
   return y;
+}
+
+// RoPE in place on the B x T x heads rows `a` describes.
+void rope_into(const RopeArgs& a, int64_t B) {
+  const int isa = current_path();
+  at::parallel_for(0, B * a.T * a.heads, 256, [&](int64_t i0, int64_t i1) {
+    if (isa == AVX512) isa_avx512::rope_rows(a, i0, i1);
+    else if (isa == AVX2) isa_avx2::rope_rows(a, i0, i1);
+    else isa_scalar::rope_rows(a, i0, i1);
+  });
 }
 
 void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -846,13 +870,17 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
               cos.size(-1) == hd && cos.size(-2) == T && (cos.dim() == 2 || (cos.dim() == 3 && cos.size(0) == B)),
               "rope_ takes contiguous cos, sin (T, hd) or (B, T, hd)");
-  RopeArgs a{x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, heads, hd,
-             cos.dim() == 3 ? T * hd : 0, {x.stride(0), x.stride(1), x.stride(2)}};
+  rope_into(RopeArgs{x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), T, heads, hd,
+                     cos.dim() == 3 ? T * hd : 0, {x.stride(0), x.stride(1), x.stride(2)}}, B);
+}
+
+// y (M, I) = silu(gate) * up for gu = [gate | up] (M, 2I).
+void silu_mul_into(const float* gp, float* yp, int64_t M, int64_t I) {
   const int isa = current_path();
-  at::parallel_for(0, B * T * heads, 256, [&](int64_t i0, int64_t i1) {
-    if (isa == AVX512) isa_avx512::rope_rows(a, i0, i1);
-    else if (isa == AVX2) isa_avx2::rope_rows(a, i0, i1);
-    else isa_scalar::rope_rows(a, i0, i1);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    if (isa == AVX512) isa_avx512::silu_mul_rows(gp, yp, I, r0, r1);
+    else if (isa == AVX2) isa_avx2::silu_mul_rows(gp, yp, I, r0, r1);
+    else isa_scalar::silu_mul_rows(gp, yp, I, r0, r1);
   });
 }
 
@@ -864,36 +892,23 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
   auto y = at::empty(sizes, gu.options());
-  const int isa = current_path();
-  const float* gp = gc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    if (isa == AVX512) isa_avx512::silu_mul_rows(gp, yp, I, r0, r1);
-    else if (isa == AVX2) isa_avx2::silu_mul_rows(gp, yp, I, r0, r1);
-    else isa_scalar::silu_mul_rows(gp, yp, I, r0, r1);
-  });
+  silu_mul_into(gc.data_ptr<float>(), y.data_ptr<float>(), M, I);
   return y;
 }
 
-// cache[b, h, pos[t]] = x[b, t, h] for x (B, T, heads, hd) float32 and a float32 or bfloat16
-// cache (B, heads, S, hd): what index_copy_ of x cast to the cache's dtype writes (bfloat16
-// rounds to nearest even, as `Tensor.to` does), without the temporaries.
-void write_kv(at::Tensor& cache, const at::Tensor& x, const at::Tensor& pos) {
-  TORCH_CHECK(pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.size(0) == x.size(1),
-              "decoder_layer: input_pos must be (T,) int64");
-  TORCH_CHECK(cache.stride(3) == 1 && x.stride(3) == 1, "decoder_layer: head_dim must be contiguous");
-  const int64_t B = x.size(0), T = x.size(1), heads = x.size(2), hd = x.size(3), S = cache.size(2);
-  auto pc = pos.contiguous();
-  const int64_t* p = pc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < S, "decoder_layer: input_pos ", p[t], " is outside the cache");
-  const float* xp = x.data_ptr<float>();
+// cache[b, h, pos[t]] = x[b, t, h] for x (B, T, heads, hd) float32 (strides xs for b, t, h;
+// head_dim contiguous) and a float32 or bfloat16 cache (B, heads, S, hd): what index_copy_ of
+// x cast to the cache's dtype writes (bfloat16 rounds to nearest even, as `Tensor.to` does),
+// without the temporaries. pos: T checked slots.
+void write_kv(at::Tensor& cache, const float* xp, const int64_t* xs, int64_t B, int64_t T, int64_t heads,
+              const int64_t* pos) {
+  const int64_t hd = cache.size(3);
   const bool bf16 = cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || cache.scalar_type() == at::kFloat, "decoder_layer: the cache must be float32 or bfloat16");
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        const float* src = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
-        const int64_t at = b * cache.stride(0) + h * cache.stride(1) + p[t] * cache.stride(2);
+        const float* src = xp + b * xs[0] + t * xs[1] + h * xs[2];
+        const int64_t at = b * cache.stride(0) + h * cache.stride(1) + pos[t] * cache.stride(2);
         if (bf16) {
           c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at;
           for (int64_t d = 0; d < hd; ++d) dst[d] = c10::BFloat16(src[d]);
@@ -904,19 +919,27 @@ void write_kv(at::Tensor& cache, const at::Tensor& x, const at::Tensor& pos) {
 }
 
 // One projection of `decoder_layer`: [w, scale, offset, bias] as a QLinear holds them (bias
-// empty when none), its format and out_features. y = x W^T (+ bias), the bias added after.
-at::Tensor project(const at::Tensor& x, at::TensorList p, int64_t fmt, int64_t N) {
+// empty when none), its format and out_features. y (M, N) = x W^T (+ bias), the bias added after
+// (as `y + bias` adds it).
+void project_into(const float* x, int64_t M, int64_t K, at::TensorList p, int64_t fmt, int64_t N, float* y) {
   TORCH_CHECK(p.size() == 4, "decoder_layer: a projection is [w, scale, offset, bias]");
-  auto y = wlinear(x, p[0], p[1], p[2], fmt, 32, N);
-  if (p[3].numel()) y.add_(p[3]);
-  return y;
+  check_linear(p[0], p[1], p[2], fmt, 32, N, K);
+  linear_into(x, M, K, p[0], p[1], p[2], fmt, N, y);
+  if (p[3].numel()) {
+    TORCH_CHECK(p[3].numel() == N && p[3].scalar_type() == at::kFloat, "decoder_layer: a bias must be (N,) float32");
+    auto bc = p[3].contiguous();
+    const float* bp = bc.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = 0; j < N; ++j) y[r * N + j] += bp[j];
+  }
 }
 
 // A Llama-family pre-norm layer on the row-invariant path, as one op: the same kernels, in the
 // same order, as `targets.decoder.Block.forward` calls them one by one (RMSNorm, qkv, RoPE on q
 // and k, K/V written at input_pos, attention over slots [0, kv_len), o, residual, RMSNorm,
 // gate_up, SwiGLU, down, residual), so the same bits; what it saves is the ~20 Python-level
-// ops per layer around them. h (B, T, H); cos, sin (T, hd); caches (B, nkv, S_max, hd);
+// ops per layer around them, and it runs the kernels on raw buffers (one workspace per thread,
+// no tensor per step but the output). h (B, T, H); cos, sin (T, hd); caches (B, nkv, S_max, hd);
 // mask (T, kv_len) bool. projections: qkv, o, gate_up, down; fmts, ns: their formats and N.
 // The residual stream h is also what the attention output is added to.
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
@@ -929,32 +952,85 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
   TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat, "decoder_layer: h must be (B, T, H) float32");
   TORCH_CHECK(fmts.size() == 4 && ns.size() == 4, "decoder_layer: four projections");
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2), M = B * T;
-  const int64_t hd = k_cache.size(3);
-  TORCH_CHECK(ns[0] == (nh + 2 * nkv) * hd && ns[1] == H && ns[3] == H,
-              "decoder_layer: projection sizes do not match the heads");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == nkv && kv_len <= k_cache.size(2),
-              "decoder_layer: caches must be (B, nkv, S, hd) with S >= kv_len");
-  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == kv_len, "decoder_layer: mask must be (T, kv_len)");
-  // attn_in: the attention's input when the caller normed it itself (an EAGLE-3 head's
-  // [norm(embedding) | norm(feature)], (B, T, Hin)); else RMSNorm(h).
+  const int64_t hd = k_cache.size(3), nq = ns[0], I = ns[2] / 2;
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0 && ns[0] == (nh + 2 * nkv) * hd && ns[1] == H && ns[3] == H &&
+              ns[2] % 2 == 0, "decoder_layer: projection sizes do not match the heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == nkv && kv_len <= k_cache.size(2) &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && hd % 2 == 0,
+              "decoder_layer: caches must be (B, nkv, S, hd) with S >= kv_len, hd even and contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "decoder_layer: the cache must be float32 or bfloat16");
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == kv_len && mask.scalar_type() == at::kBool,
+              "decoder_layer: mask must be (T, kv_len) bool");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == hd && cos.sizes() == sin.sizes() &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "decoder_layer: cos, sin must be (T, hd) float32");
+  TORCH_CHECK(input_pos.dim() == 1 && input_pos.scalar_type() == at::kLong && input_pos.size(0) == T,
+              "decoder_layer: input_pos must be (T,) int64");
+  TORCH_CHECK(ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln2.numel() == H,
+              "decoder_layer: norm weights must be (H,) float32");
   const bool given = attn_in.has_value() && attn_in->defined();
-  if (given)
+  if (given) {
     TORCH_CHECK(attn_in->dim() == 3 && attn_in->size(0) == B && attn_in->size(1) == T &&
                 attn_in->scalar_type() == at::kFloat, "decoder_layer: attn_in must be (B, T, Hin) float32");
-  auto x = given ? attn_in->contiguous() : rms_norm(h, ln1, eps, false);  // (B, T, Hin)
-  auto qkv = project(x.view({M, x.size(2)}), qkv_p, fmts[0], ns[0]);  // (M, (nh + 2 nkv) hd)
-  auto q = qkv.narrow(1, 0, nh * hd).view({B, T, nh, hd});
-  auto k = qkv.narrow(1, nh * hd, nkv * hd).view({B, T, nkv, hd});
-  auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({B, T, nkv, hd});
-  rope_(q, cos, sin);
-  rope_(k, cos, sin);
-  write_kv(k_cache, k, input_pos);
-  write_kv(v_cache, v, input_pos);
-  auto attn = attention(q.transpose(1, 2), k_cache.narrow(2, 0, kv_len), v_cache.narrow(2, 0, kv_len),
-                        mask.reshape({-1, T, kv_len}).expand({B, T, kv_len}), scale, softcap);  // (B, T, nh hd)
-  auto h1 = h + project(attn.view({M, nh * hd}), o_p, fmts[1], ns[1]).view({B, T, H});
-  auto gu = project(rms_norm(h1, ln2, eps, false).view({M, H}), gu_p, fmts[2], ns[2]);  // (M, 2I)
-  return h1 + project(silu_mul(gu), down_p, fmts[3], ns[3]).view({B, T, H});
+  } else {
+    TORCH_CHECK(ln1.numel() == H, "decoder_layer: norm weights must be (H,) float32");
+  }
+  const int64_t Hin = given ? attn_in->size(2) : H;
+  auto pc = input_pos.contiguous();
+  const int64_t* pos = pc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < k_cache.size(2), "decoder_layer: input_pos ", pos[t], " is outside the cache");
+  auto hc = h.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), mc = mask.contiguous();
+  auto w1 = ln1.contiguous(), w2 = ln2.contiguous();
+  const float* hp = hc.data_ptr<float>();
+
+  // One workspace per calling thread, grown once: x, qkv, attention out, h1, x2, gate_up, act, y.
+  // (A call over many rows, which decode and verify steps never are, takes its own buffer
+  // rather than growing the kept one.)
+  thread_local std::vector<float> ws;
+  std::vector<float> once;
+  const int64_t need = M * (Hin + nq + nh * hd + 3 * H + 3 * I);
+  if (need > (int64_t{1} << 20)) once.resize(need);
+  else if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
+  float* x = need > (int64_t{1} << 20) ? once.data() : ws.data();
+  float* qkv = x + M * Hin;
+  float* att = qkv + M * nq;
+  float* h1 = att + M * nh * hd;
+  float* x2 = h1 + M * H;
+  float* gu = x2 + M * H;
+  float* act = gu + M * 2 * I;
+  float* y = act + M * I;
+  at::Tensor xin;
+  const float* xp = x;
+  if (given) {
+    xin = attn_in->contiguous();
+    xp = xin.data_ptr<float>();
+  } else {
+    rms_norm_into(hp, w1.data_ptr<float>(), x, M, H, eps, false);  // (M, H)
+  }
+  project_into(xp, M, Hin, qkv_p, fmts[0], nq, qkv);  // (M, (nh + 2 nkv) hd): q | k | v per row
+  const int64_t rs[3] = {T * nq, nq, hd};  // strides of q, k, v as (B, T, heads, hd)
+  rope_into(RopeArgs{qkv, cc.data_ptr<float>(), sc.data_ptr<float>(), T, nh, hd, 0, {rs[0], rs[1], rs[2]}}, B);
+  rope_into(RopeArgs{qkv + nh * hd, cc.data_ptr<float>(), sc.data_ptr<float>(), T, nkv, hd, 0, {rs[0], rs[1], rs[2]}}, B);
+  write_kv(k_cache, qkv + nh * hd, rs, B, T, nkv, pos);
+  write_kv(v_cache, qkv + (nh + nkv) * hd, rs, B, T, nkv, pos);
+  AttnArgs a{qkv, k_cache.data_ptr(), v_cache.data_ptr(), mc.data_ptr<bool>(), att, T, nh, hd, kv_len, nh / nkv,
+             {T * nq, hd, nq}, {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+             {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}, {0, mc.stride(0), mc.stride(1)},
+             static_cast<float>(scale), static_cast<float>(softcap), 1};
+  attention_into(a, B, k_cache.scalar_type() == at::kBFloat16);  // (B, T, nh hd)
+  project_into(att, M, nh * hd, o_p, fmts[1], H, y);
+  for (int64_t i = 0; i < M * H; ++i) h1[i] = hp[i] + y[i];
+  rms_norm_into(h1, w2.data_ptr<float>(), x2, M, H, eps, false);
+  project_into(x2, M, H, gu_p, fmts[2], 2 * I, gu);  // (M, 2I)
+  silu_mul_into(gu, act, M, I);
+  project_into(act, M, I, down_p, fmts[3], H, y);
+  auto out = at::empty({B, T, H}, h.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < M * H; ++i) op[i] = h1[i] + y[i];
+  return out;
 }
 
 }  // namespace
