@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .decoding.backend import StaticBackend
-from .decoding.costs import AUTO_MAX_K, REPICK_EVERY, Acceptance, Observed, RoundCosts, choose_plan
+from .decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts, choose_plan, repick_now
 from .decoding.request import (  # noqa: F401  (re-exported: the public request checks)
     MAX_NUM_DRAFT_TOKENS,
     SAMPLING_K,
@@ -44,7 +44,9 @@ from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
 PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
-EXPLORE_PLAIN = 6  # plain rounds automatic K runs once per speculator to time them (all but the first)
+EXPLORE_PLAIN = 8  # plain rounds automatic K runs once per speculator to time them
+PLAIN_SETTLE = 3  # plain rounds after drafting ones that are not timed: the head's forwards evicted
+#                   part of the target from the caches, and the next few steps refill them
 
 
 @dataclass
@@ -279,12 +281,12 @@ class Eagle3Speculator:
         prefill(backend, seq)
         plain_rounds = explore = 0
         explored = False
-        after_plain = False  # whether the round before this one was a plain one
+        plain_streak = 0  # plain rounds in a row, this one included
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
             (v,) = run_round(backend, [seq], plan)
-            ran_plain = not plan.drafts
+            plain_streak = plain_streak + 1 if not plan.drafts else 0
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
             if automatic and v.depths:
@@ -292,7 +294,7 @@ class Eagle3Speculator:
                 if len(v.depths) == plan.k and typical:  # a full round (not one cut at the end)
                     self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
                                          self.costs.round_ms(1, plan))
-                if stats["rounds"] % REPICK_EVERY == 0:
+                if repick_now(stats["rounds"]):
                     plan = self._auto_plan()
                     if plan.drafts and not explored and not self.observed.seen(1, Plan()):
                         # Plain rounds were never timed here: the calibration's few forwards can
@@ -304,7 +306,7 @@ class Eagle3Speculator:
                 # can resume): every PROBE_EVERY of them, REPICK_EVERY rounds of K=1 measure
                 # its acceptance on this text again before the next choice.
                 plain_rounds += 1
-                if after_plain:  # the first plain round still pays for the head's cache traffic
+                if plain_streak > PLAIN_SETTLE:  # steady plain decoding, as plain would run
                     self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
                                          self.costs.round_ms(1, plan))
                 if explore:
@@ -314,7 +316,6 @@ class Eagle3Speculator:
                 elif plain_rounds % PROBE_EVERY == 0:
                     plan = Plan(1)
                 stats["num_draft_tokens"] = plan.k
-            after_plain = ran_plain
         stats["seconds"] = time.perf_counter() - t0
         if self.draft is not None:
             self._check_acceptance(stats)

@@ -36,6 +36,13 @@ from .types import Plan
 AUTO_MAX_K = 8
 PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0
 REPICK_EVERY = 8  # rounds between choices within one generation
+REPICK_EARLY = (2, 4)  # and these rounds of a generation, while the acceptance is still the prior's
+
+
+def repick_now(rounds: int) -> bool:
+    """Whether automatic K chooses again after this many drafting rounds of a generation: early
+    (a wrong prior costs every round until the data overrides it), then every REPICK_EVERY."""
+    return rounds in REPICK_EARLY or rounds % REPICK_EVERY == 0
 
 
 class Acceptance:
