@@ -234,8 +234,8 @@ class Eagle3Speculator:
         of top_k / depth / total_tokens for another shape, None/False for a chain.
         `num_draft_tokens` = K for chain drafting; None or 'auto' picks K (1..8)
         or plain decoding from the cost model (`calibrate()`, which `eagle3.load`
-        runs) and the acceptance seen so far, again every few rounds (plain rounds
-        re-probe the head with K=1 every PROBE_EVERY rounds); when sampling, 'auto'
+        runs) and the acceptance seen so far, again after 2, 4 and every 8 drafting rounds
+        (plain rounds re-probe the head with K=1 every PROBE_EVERY rounds); when sampling, 'auto'
         is K = SAMPLING_K (4), so that a seed's output does not depend on timings.
         """
         req = self.check(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
