@@ -20,7 +20,16 @@ from torch import nn
 
 from ..kv import StaticKVCache
 from ..targets.config import RopeConfig
-from ..targets.decoder import MLP, RMSNorm, Rope, cached_attention, layer_op_args, one_op_ok, slots_upto
+from ..targets.decoder import (
+    MLP,
+    OneOpLayer,
+    RMSNorm,
+    Rope,
+    cached_attention,
+    layer_op_args,
+    one_op_ok,
+    slots_upto,
+)
 
 
 @dataclass
@@ -62,7 +71,7 @@ class DraftAttention(nn.Module):
         return self.o_proj(cached_attention(q, k, v, cos, sin, mask, input_pos, cache, 0, kv_len))
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(OneOpLayer):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -74,23 +83,10 @@ class DraftLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.fused = False
 
-    @property
-    def fused(self) -> bool:
-        """`kernels.use_fused_steps`: run the layer after `mix` as one `eagle3::decoder_layer`
-        where it can (the head's projections in `QLinear`s, a row-invariant cache)."""
-        return self._fused
-
-    @fused.setter
-    def fused(self, on: bool) -> None:
-        self._fused, self._step_args = on, None
-
-    def _apply(self, fn, recurse=True):  # .to() replaces the tensors `_step_args` holds
-        self._step_args = None
-        return super()._apply(fn, recurse)
-
     def step_args(self) -> tuple | None:
-        """`eagle3::decoder_layer`'s weights for this layer (q/k/v_proj and gate/up_proj run
-        as their concatenations), or None where it runs op by op. Built once."""
+        """`eagle3::decoder_layer`'s weights for the layer after `mix` (q/k/v_proj and
+        gate/up_proj run as their concatenations), or None where it runs op by op (stock
+        layers, GeGLU). Built once."""
         if self._step_args is None:
             attn, mlp = self.self_attn, self.mlp
             gate_up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]

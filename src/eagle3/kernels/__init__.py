@@ -48,7 +48,7 @@ BLOCK = 32  # inputs per scale in the packed formats (GGUF's block)
 ISA_PATHS = ("avx512", "avxvnni", "avx2", "scalar")
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "kernels.cpp"
-_HEADER = _DIR / "float_body.h"
+_HEADERS = (_DIR / "float_body.h", _DIR / "qlinear256.h")
 _EMPTY = torch.empty(0)
 
 
@@ -100,9 +100,9 @@ def _build() -> str:
     # Built for the baseline x86-64: each path carries its own target attributes and is
     # chosen at run time. -ffp-contract=off: the epilogue's multiply and add must stay two
     # roundings on every path, as the PyTorch reference computes them.
-    # cpp_extension rebuilds when a listed source or a flag changes: the header's hash rides
-    # along as a define so that editing float_body.h alone rebuilds too.
-    body = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    # cpp_extension rebuilds when a listed source or a flag changes: the headers' hash rides
+    # along as a define so that editing a header alone rebuilds too.
+    body = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
     try:
         load(name="eagle3_kernels", sources=[str(_SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-I{_DIR}",

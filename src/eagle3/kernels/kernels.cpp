@@ -288,73 +288,41 @@ constexpr int MT = 3;
 constexpr int NB = 1;
 #include "float_body.h"
 
-// 8 columns (half h of a 16-column group) at a time; u8 x s8 products summed in pairs by
-// maddubs (no saturation: |products| <= 2 * 128 * 127 < 32768), then in fours by madd. 4-bit
-// codes sum all eight pairs in 16 bits first (|sum| <= 8 * 2 * 15 * 127 < 32768) and widen
-// once. The format is a template argument: no branches in the row loop.
-template <int F>  // 0: INT8, 1: INT4 with offsets (Q4_1), 2: INT4 without (Q4_0)
-void qlinear_f(const QCall& c, int64_t g0, int64_t g1) {
-  constexpr int64_t tile = F == 0 ? 512 : 256;
-  constexpr int32_t zp = F == 2 ? 8 : 0;
-  const int64_t M = c.M, nb = c.nb, K = c.K;
-  float* acc = row_accumulators(M);
-  const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
-  for (int64_t g = g0; g < g1; ++g) {
-    std::fill(acc, acc + M * 16, 0.f);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* t = c.codes + (g * nb + b) * tile;
-      const uint16_t* dp = c.d + (g * nb + b) * 16;
-      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
-      for (int h = 0; h < 2; ++h) {
-        __m256i w[8], sw[8];  // unsigned codes (or |q|), and for INT8 the signs
-        if (F == 0) {
-          for (int q = 0; q < 8; ++q) {
-            sw[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h));
-            w[q] = _mm256_abs_epi8(sw[q]);
-          }
-        } else {
-          for (int p = 0; p < 4; ++p) {
-            const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p + 32 * h));
-            w[p] = _mm256_and_si256(r, nib);
-            w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(r, 4), nib);
-          }
-        }
-        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * h)));
-        __m256 vm = _mm256_setzero_ps();
-        if (F == 1) vm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.m + (g * nb + b) * 16 + 8 * h)));
-        float* ap = acc + 8 * h;
-        for (int64_t r = 0; r < M; ++r, ap += 16) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * K + b * 32);
-          const int64_t rb = r * nb + b;
-          __m256i s;
-          if (F == 0) {
-            s = _mm256_setzero_si256();
-            for (int q = 0; q < 8; ++q) {
-              const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[q]), sw[q]);
-              s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[q], xv), ones));
-            }
-          } else {
-            __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x4[0]));
-            for (int q = 1; q < 8; ++q) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(x4[q])));
-            s = _mm256_madd_epi16(s16, ones);
-          }
-          if (zp) s = _mm256_sub_epi32(s, _mm256_set1_epi32(zp * c.xs[rb]));
-          __m256 a = _mm256_loadu_ps(ap);
-          a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_mul_ps(vd, _mm256_set1_ps(c.xd[rb])), _mm256_cvtepi32_ps(s)));
-          if (F == 1) a = _mm256_add_ps(a, _mm256_mul_ps(vm, _mm256_set1_ps(c.xsd[rb])));
-          _mm256_storeu_ps(ap, a);
-        }
-      }
-    }
-    for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
+// u8 x s8 products summed in pairs by maddubs (no saturation: |products| <= 2 * 128 * 127 <
+// 32768), then in fours by madd; INT8 codes as |q| with their signs moved onto the activations.
+// 4-bit codes sum all eight pairs in 16 bits first (|sum| <= 8 * 2 * 15 * 127 < 32768) and
+// widen once.
+struct Codes {
+  __m256i w[8], sw[8];  // unsigned codes (or |q|), and for INT8 the signed codes
+};
+constexpr int32_t ZP_INT8 = 0;
+
+inline void load_int8(const uint8_t* t, int h, Codes& c) {
+  for (int q = 0; q < 8; ++q) {
+    c.sw[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h));
+    c.w[q] = _mm256_abs_epi8(c.sw[q]);
   }
 }
 
-void qlinear(const QCall& c, int64_t g0, int64_t g1) {
-  if (c.fmt == INT8) qlinear_f<0>(c, g0, g1);
-  else if (c.m) qlinear_f<1>(c, g0, g1);
-  else qlinear_f<2>(c, g0, g1);
+template <int F>
+inline __m256i block_sum(const Codes& c, const int32_t* x4, int32_t start) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s;
+  if (F == 0) {
+    s = _mm256_setzero_si256();
+    for (int q = 0; q < 8; ++q) {
+      const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[q]), c.sw[q]);
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(c.w[q], xv), ones));
+    }
+  } else {
+    __m256i s16 = _mm256_maddubs_epi16(c.w[0], _mm256_set1_epi32(x4[0]));
+    for (int q = 1; q < 8; ++q) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c.w[q], _mm256_set1_epi32(x4[q])));
+    s = _mm256_madd_epi16(s16, ones);
+  }
+  return start ? _mm256_add_epi32(s, _mm256_set1_epi32(start)) : s;
 }
+
+#include "qlinear256.h"
 
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -365,59 +333,28 @@ void qlinear(const QCall& c, int64_t g0, int64_t g1) {
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace isa_avxvnni {
 
-// AVX2's layout, 8 columns at a time, with 256-bit vpdpbusd: unsigned codes x the row's signed
-// activation quad. INT8 codes are made unsigned by +128 (xor 0x80), which adds 128 * xs: the
-// integer sum starts from -zp * xs (as on the AVX-512 path; the same integers, so the same bits).
-template <int F>  // 0: INT8, 1: INT4 with offsets (Q4_1), 2: INT4 without (Q4_0)
-void qlinear_f(const QCall& c, int64_t g0, int64_t g1) {
-  constexpr int64_t tile = F == 0 ? 512 : 256;
-  constexpr int32_t zp = F == 0 ? 128 : F == 2 ? 8 : 0;
-  const int64_t M = c.M, nb = c.nb, K = c.K;
-  float* acc = row_accumulators(M);
-  const __m256i nib = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = g0; g < g1; ++g) {
-    std::fill(acc, acc + M * 16, 0.f);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* t = c.codes + (g * nb + b) * tile;
-      const uint16_t* dp = c.d + (g * nb + b) * 16;
-      prefetch_ahead(c, t, (g * nb + b) * 16, tile);
-      for (int h = 0; h < 2; ++h) {
-        __m256i w[8];
-        if (F == 0) {
-          for (int q = 0; q < 8; ++q)
-            w[q] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h)), flip);
-        } else {
-          for (int p = 0; p < 4; ++p) {
-            const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p + 32 * h));
-            w[p] = _mm256_and_si256(r, nib);
-            w[4 + p] = _mm256_and_si256(_mm256_srli_epi16(r, 4), nib);
-          }
-        }
-        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * h)));
-        __m256 vm = _mm256_setzero_ps();
-        if (F == 1) vm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.m + (g * nb + b) * 16 + 8 * h)));
-        float* ap = acc + 8 * h;
-        for (int64_t r = 0; r < M; ++r, ap += 16) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(c.xq + r * K + b * 32);
-          const int64_t rb = r * nb + b;
-          __m256i s = zp ? _mm256_set1_epi32(-zp * c.xs[rb]) : _mm256_setzero_si256();
-          for (int q = 0; q < 8; ++q) s = _mm256_dpbusd_avx_epi32(s, w[q], _mm256_set1_epi32(x4[q]));
-          __m256 a = _mm256_loadu_ps(ap);
-          a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_mul_ps(vd, _mm256_set1_ps(c.xd[rb])), _mm256_cvtepi32_ps(s)));
-          if (F == 1) a = _mm256_add_ps(a, _mm256_mul_ps(vm, _mm256_set1_ps(c.xsd[rb])));
-          _mm256_storeu_ps(ap, a);
-        }
-      }
-    }
-    for (int64_t r = 0; r < M; ++r) std::memcpy(c.y + r * c.N + g * 16, acc + r * 16, 64);
-  }
+// AVX2's layout with 256-bit vpdpbusd: unsigned codes x the row's signed activation quad. INT8
+// codes are made unsigned by +128 (xor 0x80), which adds 128 * xs: the integer sum starts from
+// -zp * xs (as on the AVX-512 path; the same integers, so the same bits).
+struct Codes {
+  __m256i w[8];
+};
+constexpr int32_t ZP_INT8 = 128;
+
+inline void load_int8(const uint8_t* t, int h, Codes& c) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int q = 0; q < 8; ++q)
+    c.w[q] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * q + 32 * h)), flip);
 }
 
-void qlinear(const QCall& c, int64_t g0, int64_t g1) {
-  if (c.fmt == INT8) qlinear_f<0>(c, g0, g1);
-  else if (c.m) qlinear_f<1>(c, g0, g1);
-  else qlinear_f<2>(c, g0, g1);
+template <int F>
+inline __m256i block_sum(const Codes& c, const int32_t* x4, int32_t start) {
+  __m256i s = _mm256_set1_epi32(start);
+  for (int q = 0; q < 8; ++q) s = _mm256_dpbusd_avx_epi32(s, c.w[q], _mm256_set1_epi32(x4[q]));
+  return s;
 }
+
+#include "qlinear256.h"
 
 }  // namespace isa_avxvnni
 #pragma GCC pop_options

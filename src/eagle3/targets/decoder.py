@@ -216,7 +216,28 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused.requires_grad_(parts[0].weight.requires_grad)
 
 
-class Block(nn.Module):
+class OneOpLayer(nn.Module):
+    """A layer that may run as one `eagle3::decoder_layer` (`kernels.use_fused_steps` sets
+    `fused`); `step_args()` builds the op's weights once, and the flag's setter and `.to()`
+    (which replaces the tensors they hold) forget them."""
+
+    @property
+    def fused(self) -> bool:
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused, self._step_args = on, None
+
+    def _apply(self, fn, recurse=True):
+        self._step_args = None
+        return super()._apply(fn, recurse)
+
+    def step_args(self) -> tuple | None:  # pragma: no cover - each layer builds its own
+        raise NotImplementedError
+
+
+class Block(OneOpLayer):
     """Pre-norm decoder layer; Gemma adds post-attention and post-MLP norms (sandwich)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
@@ -231,19 +252,6 @@ class Block(nn.Module):
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
-
-    @property
-    def fused(self) -> bool:
-        """`kernels.use_fused_steps`: run the whole layer as one C++ op where it can."""
-        return self._fused
-
-    @fused.setter
-    def fused(self, on: bool) -> None:
-        self._fused, self._step_args = on, None
-
-    def _apply(self, fn, recurse=True):  # .to() replaces the tensors `_step_args` holds
-        self._step_args = None
-        return super()._apply(fn, recurse)
 
     def step_args(self) -> tuple | None:
         """What `eagle3::decoder_layer` takes besides the activations, cache and positions, or
