@@ -627,8 +627,7 @@ void packed_into(const float* x, int64_t M, int64_t K, const at::Tensor& w, cons
   thread_local std::vector<int32_t> xs;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * nb) { xd.resize(M * nb); xsd.resize(M * nb); xs.resize(M * nb); }
-  const int isa = current_isa().load();
-  const int fam = isa == AVXVNNI ? AVX2 : isa;
+  const int isa = current_isa().load(), fam = current_path();  // the packed matmul's, the float ops'
   auto quantize = fam == AVX512 ? isa_avx512::quantize_rows : fam == AVX2 ? isa_avx2::quantize_rows : isa_scalar::quantize_rows;
   quantize(x, M, K, xq.data(), xd.data(), xs.data(), xsd.data());
   QCall c{xq.data(), xd.data(), xsd.data(), xs.data(), M, K, nb, N,
@@ -755,7 +754,7 @@ at::Tensor argmax(const at::Tensor& x) {
   auto out = at::empty(sizes, x.options().dtype(at::kLong));
   const float* p = xc.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const bool wide = current_isa().load() == AVX512;
+  const bool wide = current_path() == AVX512;
   for (int64_t r = 0; r < rows; ++r) o[r] = wide ? isa_avx512::argmax_row(p + r * n, n) : isa_scalar_argmax(p + r * n, n);
   return out;
 }

@@ -357,7 +357,6 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
                 state[name] = placeholder(N, K)
                 continue
         w = _dequantize(t, ckpt.path)
-        _drop_pages(ckpt.reader, t)
         if types is not None:
             types[name] = t.tensor_type.name
         permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
@@ -371,6 +370,7 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
             if permute:  # llama.cpp's permutation moves whole rows: move the codes with them
                 parts = [p if p is None else _unpermute(p, heads) for p in parts]
             blocks[name] = (fmt, *parts)
+        _drop_pages(ckpt.reader, t)  # read for the last time
         if permute:
             w = _unpermute(w, heads)
         if gemma and name.endswith("norm.weight"):
