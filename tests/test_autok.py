@@ -20,7 +20,7 @@ from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head, save_head
 from eagle3.speculator import EXPLORE_PLAIN, PROBE_EVERY, Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
 
@@ -92,7 +92,12 @@ def test_choose_skips_unmeasured_sizes():
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return save_bigram_target(str(tmp_path_factory.mktemp("autok") / "bigram"))
+    return save_context_target(str(tmp_path_factory.mktemp("autok") / "ctx"))
+
+
+def scripted(t, mode: str):
+    """A head scripted along `t`'s greedy runs of PROMPTS (tests/heads.py), right per `mode`."""
+    return scripted_head(t, PROMPTS, 160, mode)
 
 
 def plain(t, prompt, n):
@@ -102,7 +107,7 @@ def plain(t, prompt, n):
 @pytest.mark.parametrize("mode,expect", [("full", AUTO_MAX_K), ("zero", 0)])
 def test_auto_is_lossless_and_settles_on_the_right_k(target, mode, expect):
     t = load_target(target)
-    head = forced_head(t, mode)
+    head = scripted(t, mode)
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
     spec.costs = flat_cost(1.0, 0.05)  # injected: the choice then depends on acceptance only
@@ -131,7 +136,7 @@ def test_auto_times_plain_rounds_once_before_trusting_the_model(target):
     runs EXPLORE_PLAIN plain rounds once per speculator (at its first re-choice) to time them,
     stays lossless, and the next generation trusts the timed model."""
     t = load_target(target)
-    attach_head(head := forced_head(t, "full"), t)
+    attach_head(head := scripted(t, "full"), t)
     spec = Eagle3Speculator(t, head)
     spec.costs = flat_cost(1.0, 0.05)
     spec.costs.plain = {1: 50.0}  # misjudged: by the model alone, plain decoding never pays
@@ -153,7 +158,7 @@ def test_auto_chooses_again_early_then_every_few_rounds():
 
 def test_first_auto_generation_measures_the_cost_model(target):
     t = load_target(target)
-    head = forced_head(t, "full")
+    head = scripted(t, "full")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
     assert spec.costs is None
@@ -175,7 +180,7 @@ def test_first_auto_generation_measures_the_cost_model(target):
 
 def test_load_measures_the_cost_model_before_any_generation(target, tmp_path):
     t = load_target(target)
-    save_head(forced_head(t, "full"), str(tmp_path / "head"), "speculators")
+    save_head(scripted(t, "full"), str(tmp_path / "head"), "speculators", include_embedding=True)
     spec = eagle3.load(target, str(tmp_path / "head"))
     costs = spec.costs
     assert costs is not None and costs.seconds > 0
@@ -201,7 +206,7 @@ def test_load_measures_the_cost_model_before_any_generation(target, tmp_path):
 
 def test_bench_auto_row(target):
     t = load_target(target)
-    head = forced_head(t, "full")
+    head = scripted(t, "full")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
     report = run_bench(spec, PROMPTS, ks=[2], max_new_tokens=12, repeats=1, auto=True)

@@ -1,8 +1,9 @@
 """eagle3 bench: interleaving, medians, the same-run correctness check, stats and time-split
 accounting, the runner's host-sync counter, the report's keys, bad input, the CLI end to end.
 
-No timing assertions: only structure and accounting. The target is a bigram model with a
-head forced to agree with it (tests/heads.py), so acceptance is real and known (full).
+No timing assertions: only structure and accounting. The target's attention changes its
+output, and the head is scripted along its greedy runs of PROMPTS (tests/heads.py), so
+acceptance is real and known (full).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from eagle3.decoding.profile import profiling
 from eagle3.draft import save_head
 from eagle3.speculator import Eagle3Speculator, empty_stats
 from eagle3.targets import load_target
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 TOP_KEYS = {"baseline_tokens_per_s", "eagle_tokens_per_s", "speedup", "mean_accept_len",
             "accept_len_hist", "accepted_per_position", "outputs_identical", "best_k", "rows", "peers",
@@ -39,11 +40,12 @@ N = 20
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """(target dir, head dir, prompts.jsonl): a bigram target and a full-acceptance head."""
+    """(target dir, head dir, prompts.jsonl): a context target and a full-acceptance head."""
     root = tmp_path_factory.mktemp("bench")
     target, head, prompts = str(root / "target"), str(root / "head"), str(root / "prompts.jsonl")
-    save_bigram_target(target)
-    save_head(forced_head(load_target(target), "full"), head, "speculators")
+    save_context_target(target)
+    save_head(scripted_head(load_target(target), PROMPTS, 64, "full"), head, "speculators",
+              include_embedding=True)
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS)
     return target, head, prompts

@@ -22,7 +22,7 @@ from eagle3.draft import attach_head, random_head
 from eagle3.kernels import kernel_available
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 48
@@ -33,10 +33,10 @@ STAT_KEYS = ("rounds", "draft_tokens", "accepted_tokens", "accepted_per_position
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
-    save_bigram_target(str(root / "bigram"))
+    save_context_target(str(root / "ctx"))
     make_hf_model("gemma2", seed=1).save_pretrained(str(root / "gemma2"))
     make_hf_model("llama", seed=3).save_pretrained(str(root / "llama"))
-    return {"bigram": str(root / "bigram"), "gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
+    return {"ctx": str(root / "ctx"), "gemma2": str(root / "gemma2"), "llama": str(root / "llama")}
 
 
 def prompts(n: int, seed: int, V: int) -> list[list[int]]:
@@ -51,12 +51,13 @@ def plain(target, prompt, n, stop=()):
 
 @pytest.mark.parametrize("mode", ["full", "partial", "zero"])
 def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, mode)
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    V = t.config.vocab_size
+    ps = prompts(6, seed=3, V=V)
+    head = scripted_head(t, ps, MAX_LEN, mode)
     attach_head(head, t)
     spec, eager = Eagle3Speculator(t, head).compile(), Eagle3Speculator(t, head)
-    V = t.config.vocab_size
-    cases = [(p, n) for p in prompts(6, seed=3, V=V) for n in (1, 2, 7, MAX_LEN - len(p))]
+    cases = [(p, n) for p in ps for n in (1, 2, 7, MAX_LEN - len(p))]
     for k in (1, 3):
         accepted = drafted = rounds = 0
         for p, n in cases:
@@ -67,7 +68,7 @@ def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
             assert all(r.stats[key] == e[key] for key in STAT_KEYS), (k, p, n)
             accepted, drafted = accepted + r.stats["accepted_tokens"], drafted + r.stats["draft_tokens"]
             rounds += r.stats["rounds"]
-        # Each head's acceptance is built in (tests/heads.py), and observed exactly.
+        # Each head's acceptance is scripted (tests/heads.py), and observed exactly.
         expect = {"full": drafted, "partial": rounds, "zero": 0}[mode]
         assert drafted > 0 and accepted == expect, (k, accepted, drafted)
     # Stop ids inside an accepted span end the output exactly where plain decoding does.
@@ -78,12 +79,12 @@ def test_compiled_chain_is_lossless_to_the_cache_end(dirs, mode):
 
 
 def test_one_graph_per_shape_not_per_position(dirs):
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, "partial")
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    ps = prompts(8, seed=5, V=t.config.vocab_size)
+    head = scripted_head(t, ps, 12, "partial")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head).compile()
     base = Eagle3Speculator(t).compile()
-    ps = prompts(8, seed=5, V=t.config.vocab_size)
     for s, k in ((spec, 2), (base, None)):
         s.generate(ps[0], 12, num_draft_tokens=k, stop_token_ids=[])  # compiles the shapes
     graphs = counters["stats"]["unique_graphs"]
@@ -111,14 +112,14 @@ def test_compiled_random_head_on_gemma2_is_lossless(dirs):
 
 
 def test_compile_needs_the_native_backend(dirs, capsys):
-    assert eagle3.load(dirs["bigram"], draft="none", compile=True).compiled is True
-    spec = eagle3.load(dirs["bigram"], draft="none", backend="hf")
+    assert eagle3.load(dirs["ctx"], draft="none", compile=True).compiled is True
+    spec = eagle3.load(dirs["ctx"], draft="none", backend="hf")
     with pytest.raises(eagle3.Eagle3Error, match="native backend"):
         spec.compile()
     from eagle3.cli import main
 
     capsys.readouterr()
-    assert main(["generate", "--target", dirs["bigram"], "--draft", "none", "--backend", "hf",
+    assert main(["generate", "--target", dirs["ctx"], "--draft", "none", "--backend", "hf",
                  "--prompt-ids", "1,2", "--compile"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("eagle3: error:") and "native backend" in err and "\n" not in err
@@ -126,15 +127,16 @@ def test_compile_needs_the_native_backend(dirs, capsys):
 
 def test_compiled_auto_k_rising_and_falling_mid_generation(dirs, monkeypatch):
     """K changes every 8 rounds (forced through 2, 5, 1, 4, 3)."""
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, "full")
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    ps = prompts(3, seed=9, V=t.config.vocab_size)
+    head = scripted_head(t, ps, MAX_LEN, "full")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head).compile()
     spec.costs = RoundCosts({1: [1.0] * 9}, {1: [0.1] * 9}, {1: 1.0})
     choices = itertools.cycle([2, 5, 1, 4, 3])
     monkeypatch.setattr(spec, "_auto_plan", lambda: Plan(next(choices)))
     seen = set()
-    for p in prompts(3, seed=9, V=t.config.vocab_size):
+    for p in ps:
         n = MAX_LEN - len(p)  # to the cache's end
         r = spec.generate(p, n, stop_token_ids=[])
         assert r.token_ids == plain(t, p, n)
@@ -144,11 +146,11 @@ def test_compiled_auto_k_rising_and_falling_mid_generation(dirs, monkeypatch):
 
 def test_compiled_stats_count_only_emittable_drafts(dirs):
     """Fixed shapes draft the full K in the last round; the stats match eager decoding's."""
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, "full")
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    p = prompts(1, seed=10, V=t.config.vocab_size)[0]
+    head = scripted_head(t, [p], 7, "full")
     attach_head(head, t)
     eager, compiled = Eagle3Speculator(t, head), Eagle3Speculator(t, head).compile()
-    p = prompts(1, seed=10, V=t.config.vocab_size)[0]
     for n in (2, 3, 7):
         a = eager.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
         b = compiled.generate(p, n, num_draft_tokens=4, stop_token_ids=[]).stats
@@ -159,17 +161,17 @@ def test_compiled_stats_count_only_emittable_drafts(dirs):
 def test_compiled_tree_is_lossless_to_the_cache_end(dirs, mode):
     """Tree rounds run compiled (catch-up, draft levels, verify), to the cache's end where the
     tree shrinks. Same output as plain decoding, same stats as eager trees."""
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, mode)
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    V = t.config.vocab_size
+    ps = prompts(8, seed=8, V=V)
+    head = scripted_head(t, ps, MAX_LEN, mode)
     attach_head(head, t)
     spec, eager = Eagle3Speculator(t, head).compile(), Eagle3Speculator(t, head)
-    V = t.config.vocab_size
     shape = {"top_k": 3, "depth": 4, "total_tokens": 9}
     verified = []
     backend = spec.backend
     real_verify = backend._target_step
     backend._target_step = lambda *a: verified.append(a[3] is not None) or real_verify(*a)
-    ps = prompts(8, seed=8, V=V)
     for i, p in enumerate(ps):
         if i == 4:  # the shapes are compiled: new prompts and positions compile nothing more
             counters.clear()
@@ -184,7 +186,7 @@ def test_compiled_tree_is_lossless_to_the_cache_end(dirs, mode):
 
 
 def test_compiled_tree_random_head_on_gemma2(dirs):
-    """A random head whose attention matters (the forced heads' does not), on a target with
+    """A random head whose attention matters (the scripted heads' does not), on a target with
     soft-capping and sliding windows: compiled trees stay lossless to the cache end."""
     t = load_target(dirs["gemma2"], max_seq_len=MAX_LEN)
     head = random_head(t, taps=(1, 3, 5), scale=0.3)
@@ -199,11 +201,11 @@ def test_compiled_tree_random_head_on_gemma2(dirs):
 def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
     """After the first automatic generation (which measures the cost model over every verify
     and draft size), a generation that switches through every K compiles nothing new."""
-    t = load_target(dirs["bigram"], max_seq_len=MAX_LEN)
-    head = forced_head(t, "full")
+    t = load_target(dirs["ctx"], max_seq_len=MAX_LEN)
+    p = prompts(1, seed=12, V=t.config.vocab_size)[0][:5]
+    head = scripted_head(t, [p], MAX_LEN, "full")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head).compile()
-    p = prompts(1, seed=12, V=t.config.vocab_size)[0][:5]
     assert spec.generate(p, 8, stop_token_ids=[]).token_ids == plain(t, p, 8)
     counters.clear()
     choices = itertools.cycle([8, 1, 5, 2, 7, 3, 6, 4])

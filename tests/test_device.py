@@ -13,29 +13,30 @@ import torch
 
 import eagle3
 from eagle3.engine import Engine, EngineConfig
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine: the CUDA path is untested here"))]
 
 
 @pytest.fixture(scope="module")
-def bigram(tmp_path_factory):
-    return save_bigram_target(str(tmp_path_factory.mktemp("device") / "bigram"))
+def ctx(tmp_path_factory):
+    """A target whose attention changes its output (tests/heads.py)."""
+    return save_context_target(str(tmp_path_factory.mktemp("device") / "ctx"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_generate_and_engine_on_device(bigram, tmp_path, device):
+def test_generate_and_engine_on_device(ctx, tmp_path, device):
     from eagle3.draft import save_head
     from eagle3.targets import load_target
 
-    head = forced_head(load_target(bigram), "partial")
-    save_head(head, str(tmp_path / "head"), fmt="speculators")
-    spec = eagle3.load(bigram, str(tmp_path / "head"), device=device)
+    prompts = [[3, 17, 9], [40, 2, 7, 11, 5]]
+    head = scripted_head(load_target(ctx), prompts, 24, "partial")
+    save_head(head, str(tmp_path / "head"), fmt="speculators", include_embedding=True)
+    spec = eagle3.load(ctx, str(tmp_path / "head"), device=device)
     assert spec.target_device.type == device
     assert all(t.device.type == device for t in spec.draft.state_dict().values())
     plain = spec.plain()
-    prompts = [[3, 17, 9], [40, 2, 7, 11, 5]]
     for p in prompts:
         want = plain.generate(p, 24, stop_token_ids=[]).token_ids
         for kw in (dict(num_draft_tokens=3), dict(tree=True), {}):
@@ -49,20 +50,20 @@ def test_generate_and_engine_on_device(bigram, tmp_path, device):
                                            for p in prompts]
 
 
-def test_device_errors(bigram):
+def test_device_errors(ctx):
     for bad, msg in (("tpu", "unknown device"), ("cuda:99", "CUDA" if not torch.cuda.is_available()
                                                   else "CUDA device")):
         with pytest.raises(eagle3.Eagle3Error, match=msg):
-            eagle3.load(bigram, "none", device=bad)
+            eagle3.load(ctx, "none", device=bad)
 
 
-def test_device_errors_on_the_command_line(bigram, capsys):
+def test_device_errors_on_the_command_line(ctx, capsys):
     from eagle3.cli import main
 
-    for argv in (["generate", "--target", bigram, "--draft", "none", "--prompt-ids", "1,2",
+    for argv in (["generate", "--target", ctx, "--draft", "none", "--prompt-ids", "1,2",
                   "--device", "tpu"],
-                 ["serve", "--target", bigram, "--draft", "none", "--tree", "--num-draft-tokens", "3"],
-                 ["export", "--target", bigram, "--out", "/tmp/never-written", "--device", "cuda"]):
+                 ["serve", "--target", ctx, "--draft", "none", "--tree", "--num-draft-tokens", "3"],
+                 ["export", "--target", ctx, "--out", "/tmp/never-written", "--device", "cuda"]):
         capsys.readouterr()
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()

@@ -1,9 +1,9 @@
 """The serving engine: lossless under batching, KV pool accounting, abort/cleanup, metrics.
 
 Every engine output is compared with single-request plain greedy decoding
-(`Eagle3Speculator.generate` without a head), for heads that agree with the
-target fully, partly, erratically or not at all, with requests joining and
-leaving between rounds, stop ids inside accepted spans, the model's last
+(`Eagle3Speculator.generate` without a head), for heads scripted to agree with
+a target whose attention changes its output fully, partly, erratically or not at
+all, with requests joining and leaving between rounds, stop ids inside accepted spans, the model's last
 position, and KV pools small enough that requests wait for pages.
 """
 
@@ -25,14 +25,14 @@ from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
 from eagle3.engine.kv import PagePool
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 V = 160
 
 
 @pytest.fixture(scope="module")
-def bigram(tmp_path_factory):
-    return save_bigram_target(str(tmp_path_factory.mktemp("engine") / "bigram"))
+def ctx(tmp_path_factory):
+    return save_context_target(str(tmp_path_factory.mktemp("engine") / "ctx"))
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,14 @@ def random_target(tmp_path_factory):
 _SPECS: dict = {}
 
 
-def spec_for(path: str, mode: str, max_seq_len: int | None = None) -> Eagle3Speculator:
-    key = (path, mode, max_seq_len)
+def spec_for(path: str, mode: str, max_seq_len: int | None = None, ps: list[list[int]] = (),
+             n: int = 0) -> Eagle3Speculator:
+    """A speculator on `path` whose head is random or drafts the greedy runs of `ps` (`n` new
+    tokens each) per `mode` (tests/heads.py `scripted_head`)."""
+    key = (path, mode, max_seq_len, tuple(map(tuple, ps)), n)
     if key not in _SPECS:
         t = load_target(path, max_seq_len=max_seq_len)
-        head = random_head(t, seed=5) if mode == "random" else forced_head(t, mode)
+        head = random_head(t, seed=5) if mode == "random" else scripted_head(t, list(ps), n, mode)
         attach_head(head, t, taps=(1, 2, 3))
         _SPECS[key] = Eagle3Speculator(t, head)
     return _SPECS[key]
@@ -78,10 +81,10 @@ def run_all(engine: Engine, requests: list[tuple[list[int], int]], **kw) -> list
 
 @pytest.mark.parametrize("mode", ["full", "partial", "zero", "mixed", "random"])
 @pytest.mark.parametrize("k", [1, 3, None])
-def test_batched_speculation_equals_single_request_greedy(bigram, random_target, mode, k):
-    spec = spec_for(random_target if mode == "random" else bigram, mode)
+def test_batched_speculation_equals_single_request_greedy(ctx, random_target, mode, k):
     ps = prompts(10, seed=hash((mode, k)) % 1000)
     lens = [5 + 7 * i % 40 for i in range(len(ps))]
+    spec = spec_for(random_target if mode == "random" else ctx, mode, ps=ps, n=max(lens))
     engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=k))
     reqs = run_all(engine, list(zip(ps, lens)), stop_token_ids=[])
     for r, p, n in zip(reqs, ps, lens):
@@ -90,17 +93,17 @@ def test_batched_speculation_equals_single_request_greedy(bigram, random_target,
     m = engine.metrics()
     assert m["kv_used_tokens"] == 0 and m["num_running"] == 0
     assert m["requests_finished"] == len(ps)
-    if mode == "full" and k is not None:  # the forced head is always right
+    if mode == "full" and k is not None:  # the scripted head is always right
         assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
     if mode == "zero":
         assert m["spec_decode_num_accepted_tokens"] == 0 and m["spec_decode_num_drafts"] > 0
     assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
 
 
-def test_requests_joining_between_rounds_and_waiting_for_pages(bigram):
+def test_requests_joining_between_rounds_and_waiting_for_pages(ctx):
     """A pool of 4 pages x 16: requests wait for pages; each joins a running batch mid-flight."""
-    spec = spec_for(bigram, "mixed")
     ps = prompts(7, seed=11, low=2, high=12)
+    spec = spec_for(ctx, "mixed", ps=ps, n=27)
     engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=4, max_kv_tokens=64, page_size=16))
     engine.start(background=False)
     reqs = []
@@ -117,9 +120,9 @@ def test_requests_joining_between_rounds_and_waiting_for_pages(bigram):
     assert engine.pool.used_tokens == 0 and engine.pool.reserved == 0
 
 
-def test_stop_ids_inside_accepted_spans_and_the_last_position(bigram):
-    spec = spec_for(bigram, "full", max_seq_len=48)
+def test_stop_ids_inside_accepted_spans_and_the_last_position(ctx):
     ps = prompts(6, seed=13, low=3, high=20)
+    spec = spec_for(ctx, "full", max_seq_len=48, ps=ps, n=48)
     wants = [plain(spec, p, 48 - len(p), stop=[]) for p in ps]
     stops = [w[5] for w in wants]  # likely inside a span of K=6 accepted drafts
     engine = Engine(spec, EngineConfig(max_batch=6, num_draft_tokens=6))
@@ -133,7 +136,7 @@ def test_stop_ids_inside_accepted_spans_and_the_last_position(bigram):
         assert r.token_ids == w and len(r.token_ids) + len(r.prompt_ids) == 48
 
 
-def test_speculation_off_and_sampling(bigram, random_target):
+def test_speculation_off_and_sampling(random_target):
     spec = spec_for(random_target, "random")
     ps = prompts(5, seed=17)
     off = run_all(Engine(spec, EngineConfig(max_batch=3, speculate=False)), [(p, 12) for p in ps])
@@ -155,12 +158,12 @@ def test_speculation_off_and_sampling(bigram, random_target):
 # -- the speculative transaction -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,accepted", [("full", 3), ("zero", 0), ("partial", 1)])
-def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram, mode, accepted):
+def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(ctx, mode, accepted):
     """One round by hand: target length advances by a+1, the draft gets [d1..da, c] pending, and
     the K/V kept for the request equals a fresh prefill of the same tokens (rejected slots rewritten)."""
-    spec = spec_for(bigram, mode)
-    engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=3)).start(background=False)
     ps = prompts(2, seed=19, low=5, high=9)
+    spec = spec_for(ctx, mode, ps=ps, n=40)
+    engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=3)).start(background=False)
     reqs = [engine.submit(p, 30, stop_token_ids=[]) for p in ps]
     engine._admit()
     before = [r.seq.target_len for r in reqs]
@@ -180,7 +183,8 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram,
     seq = r.prompt_ids + r.token_ids[:-1]
     assert r.state == RequestState.RUNNING and r.seq.target_len == len(seq)
     cache = spec.target.new_cache(1, len(seq))
-    spec.target.forward_logits_taps(torch.tensor([seq]), torch.arange(len(seq)), cache, kv_len=len(seq))
+    spec.target.forward_logits_taps(torch.tensor([seq]), torch.arange(len(seq)), cache, kv_len=len(seq),
+                                    with_taps=False)
     slots = engine.pool.slots[r.id][:len(seq)]
     for layer in range(spec.target.config.num_hidden_layers):
         got = engine.backend.tkv.k[layer][slots]  # (n, nkv, hd)
@@ -191,9 +195,9 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(bigram,
 
 # -- abort, failure, timeout ---------------------------------------------------------------------------
 
-def test_abort_and_a_failing_request_free_their_pages_and_spare_the_others(bigram):
-    spec = spec_for(bigram, "mixed")
+def test_abort_and_a_failing_request_free_their_pages_and_spare_the_others(ctx):
     ps = prompts(6, seed=23, low=4, high=10)
+    spec = spec_for(ctx, "mixed", ps=ps, n=40)
     engine = Engine(spec, EngineConfig(max_batch=6, num_draft_tokens=2)).start(background=False)
 
     def explode(req, new, finished):
@@ -220,8 +224,8 @@ def test_abort_and_a_failing_request_free_their_pages_and_spare_the_others(bigra
     assert (m["requests_finished"], m["requests_aborted"], m["requests_failed"]) == (3, 3, 1)
 
 
-def test_timeouts_and_the_background_thread(bigram):
-    spec = spec_for(bigram, "full")
+def test_timeouts_and_the_background_thread(ctx):
+    spec = spec_for(ctx, "full", ps=prompts(1, seed=29), n=30)
     engine = Engine(spec, EngineConfig(max_batch=2, num_draft_tokens=2)).start()
     try:
         events = []
@@ -249,10 +253,10 @@ def test_timeouts_and_the_background_thread(bigram):
     assert e.value.status == 503
 
 
-def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(bigram):
-    spec = spec_for(bigram, "full")
-    engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=2)).start(background=False)
+def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(ctx):
     ps = prompts(3, seed=31)
+    spec = spec_for(ctx, "full", ps=ps, n=20)
+    engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=2)).start(background=False)
     first = [engine.submit(p, 20, stop_token_ids=[]) for p in ps]
     engine._admit()
     real = engine.backend.target
@@ -268,8 +272,8 @@ def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(bigram
 
 # -- admission and errors ---------------------------------------------------------------------------------
 
-def test_submit_errors_carry_http_statuses(bigram):
-    spec = spec_for(bigram, "full", max_seq_len=64)
+def test_submit_errors_carry_http_statuses(ctx):
+    spec = spec_for(ctx, "full", max_seq_len=64)
     engine = Engine(spec, EngineConfig(max_batch=1, max_queue=2, max_kv_tokens=48, num_draft_tokens=2))
     with pytest.raises(EngineError) as e:
         engine.submit([1], 2)
@@ -293,10 +297,10 @@ def test_submit_errors_carry_http_statuses(bigram):
     assert engine.metrics()["requests_finished"] == 2 and engine.pool.used_tokens == 0
 
 
-def test_engine_refuses_unsupported_setups(tmp_path, bigram):
+def test_engine_refuses_unsupported_setups(tmp_path, ctx):
     with pytest.raises(Eagle3Error, match="native target"):
-        Engine(Eagle3Speculator(load_target(bigram, backend="hf")))
-    spec = spec_for(bigram, "full")
+        Engine(Eagle3Speculator(load_target(ctx, backend="hf")))
+    spec = spec_for(ctx, "full")
     for bad in (dict(max_batch=0), dict(num_draft_tokens=-1), dict(max_kv_tokens=0)):
         with pytest.raises(Eagle3Error):
             Engine(spec, EngineConfig(**bad))
@@ -328,11 +332,11 @@ def test_page_pool_is_all_or_nothing():
     assert pool.used_tokens == 0 and pool.reserved == 0 and sorted(pool.free) == [0, 1, 2, 3]
 
 
-def test_automatic_k_uses_the_measured_costs(bigram):
-    spec = spec_for(bigram, "full")
+def test_automatic_k_uses_the_measured_costs(ctx):
+    ps = prompts(4, seed=37)
+    spec = spec_for(ctx, "full", ps=ps, n=24)
     engine = Engine(spec, EngineConfig(max_batch=4)).start(background=False)
     assert set(engine.costs.verify) == {1, 2, 4}
-    ps = prompts(4, seed=37)
     reqs = [engine.submit(p, 24, stop_token_ids=[]) for p in ps]
     t0 = time.perf_counter()
     engine.run_until_idle()
@@ -344,9 +348,9 @@ def test_automatic_k_uses_the_measured_costs(bigram):
 
 # -- found in review ----------------------------------------------------------------------------------------
 
-def test_submissions_racing_stop_all_end(bigram):
+def test_submissions_racing_stop_all_end(ctx):
     """Threads submitting while the engine stops: each submission is refused (503) or ends."""
-    spec = spec_for(bigram, "full")
+    spec = spec_for(ctx, "full")
     def client(engine, accepted, refused):
         for i in range(40):
             try:
@@ -369,8 +373,8 @@ def test_submissions_racing_stop_all_end(bigram):
         assert engine.pool.used_tokens == 0 and engine.pool.reserved == 0 and not engine.waiting
 
 
-def test_cost_probe_fits_a_tight_pool_and_leaks_nothing(bigram):
-    spec = spec_for(bigram, "full", max_seq_len=40)
+def test_cost_probe_fits_a_tight_pool_and_leaks_nothing(ctx):
+    spec = spec_for(ctx, "full", max_seq_len=40, ps=prompts(1, seed=41, low=3, high=5), n=10)
     for page, kv, batch in ((5, 65, 2), (16, 47, 3)):
         engine = Engine(spec, EngineConfig(max_batch=batch, page_size=page, max_kv_tokens=kv))
         engine.start(background=False)
@@ -381,10 +385,10 @@ def test_cost_probe_fits_a_tight_pool_and_leaks_nothing(bigram):
         assert r.token_ids == plain(spec, p, 10, stop=[])
 
 
-def test_a_failing_sampler_fails_only_its_request(bigram):
-    spec = spec_for(bigram, "mixed")
-    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=2)).start(background=False)
+def test_a_failing_sampler_fails_only_its_request(ctx):
     ps = prompts(3, seed=43, low=4, high=8)
+    spec = spec_for(ctx, "mixed", ps=ps, n=16)
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=2)).start(background=False)
     greedy = [engine.submit(p, 16, stop_token_ids=[]) for p in ps[:2]]
     sampled = engine.submit(ps[2], 16, temperature=1.0, seed=1, stop_token_ids=[])
     engine._admit()
@@ -399,12 +403,12 @@ def test_a_failing_sampler_fails_only_its_request(bigram):
     assert engine.pool.used_tokens == 0
 
 
-def test_plain_rounds_catch_up_alone(bigram, monkeypatch):
+def test_plain_rounds_catch_up_alone(ctx, monkeypatch):
     """A row after plain rounds catches up on its own rather than padding the batch, and stays
     lossless; a sampled row's backlog grows the same way and it then speculates again."""
-    spec = spec_for(bigram, "mixed")
-    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3)).start(background=False)
     ps = prompts(3, seed=47, low=4, high=8)
+    spec = spec_for(ctx, "mixed", ps=ps, n=40)
+    engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3)).start(background=False)
     sampled = engine.submit(ps[0], 40, temperature=0.8, seed=3, stop_token_ids=[])
     greedy = engine.submit(ps[1], 40, stop_token_ids=[])
     engine._admit()
@@ -489,11 +493,11 @@ def engine_config(mode: dict, max_batch: int = 4) -> EngineConfig:
 @pytest.mark.parametrize("head", ["full", "partial", "zero", "second", "random"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "tree{total_tokens}".format(**m["tree"])
                          if "tree" in m else f"K={m['num_draft_tokens']}")
-def test_engine_equals_generate_greedy_and_sampled(bigram, random_target, head, mode):
+def test_engine_equals_generate_greedy_and_sampled(ctx, random_target, head, mode):
     """The same request through the engine (batched with others) and through generate: the same
     tokens and the same speculation counts, greedy and seeded sampling, to the cache's end."""
-    spec = spec_for(random_target if head == "random" else bigram, head, max_seq_len=48)
     ps = prompts(6, seed=hash((head, str(mode))) % 997, low=2, high=14)
+    spec = spec_for(random_target if head == "random" else ctx, head, max_seq_len=48, ps=ps, n=48)
     cases = [(p, 48 - len(p) if i % 3 == 0 else 5 + 4 * i,
               dict(temperature=0.8, top_p=0.9, seed=i) if i % 2 else {}) for i, p in enumerate(ps)]
     engine = Engine(spec, engine_config(mode)).start(background=False)
@@ -511,9 +515,9 @@ def test_engine_equals_generate_greedy_and_sampled(bigram, random_target, head, 
     assert engine.metrics()["spec_decode_num_drafts"] > 0 and engine.pool.used_tokens == 0
 
 
-def test_engine_equals_generate_with_stop_ids_inside_accepted_paths(bigram):
-    spec = spec_for(bigram, "full")
+def test_engine_equals_generate_with_stop_ids_inside_accepted_paths(ctx):
     ps = prompts(4, seed=61, low=3, high=10)
+    spec = spec_for(ctx, "full", ps=ps, n=30)
     for mode in MODES:
         stops = [plain(spec, p, 30, stop=[])[4] for p in ps]
         engine = Engine(spec, engine_config(mode)).start(background=False)
@@ -545,27 +549,27 @@ def test_sliding_window_targets_run_in_the_engine(tmp_path, name):
             assert r.token_ids == plain(spec, p, 30, stop=[]), (name, mode)
 
 
-def test_engine_automatic_plan_may_pick_the_tree(bigram):
+def test_engine_automatic_plan_may_pick_the_tree(ctx):
     """With a tree offered and a head that is always right, the cost model's plans stay
     lossless and the tree is drafted once its measured tokens per round beat the chains'."""
-    spec = spec_for(bigram, "full")
+    ps = prompts(3, seed=83, low=3, high=10)
+    spec = spec_for(ctx, "full", ps=ps, n=40)
     engine = Engine(spec, EngineConfig(max_batch=2, tree={"top_k": 2, "depth": 6, "total_tokens": 8}))
     engine.start(background=False)
     engine.acceptance.record(0, 5, tree=True)  # seen before: a tree round accepted 5
-    ps = prompts(3, seed=83, low=3, high=10)
     reqs = [engine.submit(p, 40, stop_token_ids=[]) for p in ps]
     engine.run_until_idle()
     assert [r.token_ids for r in reqs] == [plain(spec, p, 40, stop=[]) for p in ps]
     assert engine.costs is not None and set(engine.costs.verify) == {1, 2}
 
 
-def test_engine_holds_a_plan_for_repick_every_rounds(bigram, monkeypatch):
+def test_engine_holds_a_plan_for_repick_every_rounds(ctx, monkeypatch):
     """As generate does, the engine re-chooses its plan every REPICK_EVERY rounds at one batch
     size, and at once when the batch size changes (a choice each round chases timing noise)."""
     import eagle3.engine.engine as engine_module
     from eagle3.decoding.costs import REPICK_EVERY
 
-    spec = spec_for(bigram, "mixed")
+    spec = spec_for(ctx, "mixed", ps=[prompts(1, 4)[0], prompts(1, 5)[0]], n=60)
     engine = Engine(spec, EngineConfig(max_batch=2)).start(background=False)
     chosen, sizes = [], []  # the batch size of each choice and of each round
     real_choose, real_round = engine_module.choose_plan, engine_module.run_round

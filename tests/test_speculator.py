@@ -2,7 +2,9 @@
 
 Losslessness is checked against plain greedy decoding (itself checked against
 transformers in test_targets.py) with random heads (acceptance ~0) and with
-heads built to agree with the target fully, partially or not at all.
+heads scripted to agree with the target fully, partially or not at all, on
+targets whose attention changes their output (`heads.save_context_target`):
+a wrong K/V row, mask, RoPE position or rollback changes the tokens.
 """
 
 from __future__ import annotations
@@ -24,21 +26,21 @@ from eagle3.draft import attach_head, random_head, save_head
 from eagle3.engine import Engine, EngineConfig
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import bigram_table, forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 V = 160
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    """Checkpoints: random targets and bigram targets (untied, so greedy paths vary)."""
+    """Checkpoints: random targets and context targets (attention matters, greedy runs vary)."""
     root = tmp_path_factory.mktemp("spec")
     out = {}
     for name in ("llama", "qwen2", "gemma2"):
         d = str(root / name)
         make_hf_model(name, seed=1).save_pretrained(d)
         out[name] = d
-        out[f"bigram_{name}"] = save_bigram_target(str(root / f"bigram_{name}"), name)
+        out[f"ctx_{name}"] = save_context_target(str(root / f"ctx_{name}"), name)
     return out
 
 
@@ -55,6 +57,11 @@ def plain_tokens(target, prompt, n, stop=()):
 def spec_with(target, head) -> Eagle3Speculator:
     attach_head(head, target)
     return Eagle3Speculator(target, head)
+
+
+def scripted(target, mode: str, ps: list[list[int]], n: int, **kw) -> Eagle3Speculator:
+    """A speculator whose head drafts `target`'s greedy runs of `ps` (n tokens) per `mode`."""
+    return spec_with(target, scripted_head(target, ps, n, mode, **kw))
 
 
 # -- the four methods ------------------------------------------------------------------------------
@@ -184,14 +191,14 @@ def test_random_head_lossless_for_every_k(dirs, name, draft_vocab):
             assert r.token_ids == want, (name, draft_vocab, i, k)
 
 
-@pytest.mark.parametrize("name", ["bigram_llama", "bigram_qwen2", "bigram_gemma2"])
+@pytest.mark.parametrize("name", ["ctx_llama", "ctx_qwen2", "ctx_gemma2"])
 @pytest.mark.parametrize("mode", ["full", "partial", "zero"])
 def test_forced_acceptance_is_lossless_and_observed(dirs, name, mode):
     t = load_target(dirs[name])
-    spec = spec_with(t, forced_head(t, mode))
-    for prompt in prompts(4, 13):
+    spec = scripted(t, mode, ps := prompts(4, 13), 30)
+    for prompt in ps:
         want = plain_tokens(t, prompt, 30)
-        assert len(set(want)) > 2, "bigram path degenerate; pick another seed"
+        assert len(set(want)) > 2, "greedy run degenerate; pick another seed"
         for k in range(1, 9):
             r = spec.generate(prompt, 30, num_draft_tokens=k, stop_token_ids=[])
             assert r.token_ids == want, (mode, k)
@@ -210,15 +217,15 @@ def test_forced_acceptance_is_lossless_and_observed(dirs, name, mode):
 
 @pytest.mark.parametrize("mode", ["full", "partial"])
 def test_forced_heads_reduced_vocab_and_own_embedding(dirs, mode):
-    t = load_target(dirs["bigram_llama"])
-    f = bigram_table(t)
-    vocab = sorted(set(f.tolist()) | set(f[f].tolist()))
+    t = load_target(dirs["ctx_llama"])
+    ps = prompts(3, 17)
+    vocab = sorted({tok for p in ps for tok in plain_tokens(t, p, 24)})
     for own in (False, True):
-        spec = spec_with(t, forced_head(t, mode, draft_vocab=vocab, own_embedding=own))
+        spec = scripted(t, mode, ps, 24, draft_vocab=vocab, own_embedding=own)
         assert spec.draft.reduced_vocab
         if not own:
             assert spec.draft.embed_tokens.weight.data_ptr() == t.embedding_weight.data_ptr()
-        for prompt in prompts(3, 17):
+        for prompt in ps:
             want = plain_tokens(t, prompt, 24)
             for k in (1, 2, 4, 7):
                 r = spec.generate(prompt, 24, num_draft_tokens=k, stop_token_ids=[])
@@ -227,9 +234,9 @@ def test_forced_heads_reduced_vocab_and_own_embedding(dirs, mode):
 
 
 def test_full_acceptance_default_residual_short_chains(dirs):
-    t = load_target(dirs["bigram_llama"])
-    spec = spec_with(t, forced_head(t, "full", norm_before_residual=False))
-    for prompt in prompts(3, 19):
+    t = load_target(dirs["ctx_llama"])
+    spec = scripted(t, "full", ps := prompts(3, 19), 20, norm_before_residual=False)
+    for prompt in ps:
         want = plain_tokens(t, prompt, 20)
         for k in (1, 2):
             r = spec.generate(prompt, 20, num_draft_tokens=k, stop_token_ids=[])
@@ -238,15 +245,15 @@ def test_full_acceptance_default_residual_short_chains(dirs):
 
 
 def test_hf_target_lossless(dirs):
-    t = load_target(dirs["bigram_llama"], backend="hf")
+    t = load_target(dirs["ctx_llama"], backend="hf")
     for mode in ("full", "partial", "zero"):
-        spec = spec_with(t, forced_head(t, mode))
-        for prompt in prompts(2, 23):
+        spec = scripted(t, mode, ps := prompts(2, 23), 20)
+        for prompt in ps:
             want = plain_tokens(t, prompt, 20)
             for k in (1, 3, 6):
                 r = spec.generate(prompt, 20, num_draft_tokens=k, stop_token_ids=[])
                 assert r.token_ids == want, (mode, k)
-    native = load_target(dirs["bigram_llama"])
+    native = load_target(dirs["ctx_llama"])
     assert plain_tokens(native, prompts(1, 23)[0], 20) == plain_tokens(t, prompts(1, 23)[0], 20)
 
 
@@ -254,10 +261,13 @@ def test_hf_target_lossless(dirs):
 @given(prompt=st.lists(st.integers(1, V - 1), min_size=1, max_size=30), k=st.integers(1, 8),
        n=st.integers(1, 40), mode=st.sampled_from(["full", "partial", "zero"]))
 def test_property_lossless(dirs, prompt, k, n, mode):
-    t = _cached_target(dirs["bigram_qwen2"])
-    spec = _cached_spec(t, mode)
+    t = _cached_target(dirs["ctx_qwen2"])
+    spec = scripted(t, mode, [prompt], n)
     want = plain_tokens(t, prompt, n)
-    assert spec.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[]).token_ids == want
+    r = spec.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[])
+    assert r.token_ids == want
+    if mode == "full":
+        assert r.stats["accepted_tokens"] == r.stats["draft_tokens"]
 
 
 _CACHE: dict = {}
@@ -269,19 +279,12 @@ def _cached_target(d):
     return _CACHE[d]
 
 
-def _cached_spec(t, mode):
-    key = (id(t), mode)
-    if key not in _CACHE:
-        _CACHE[key] = spec_with(t, forced_head(t, mode))
-    return _CACHE[key]
-
-
 # -- stopping, capacity, stats -------------------------------------------------------------------------
 
 def test_stop_token_inside_accepted_span(dirs):
-    t = load_target(dirs["bigram_llama"])
-    spec = spec_with(t, forced_head(t, "full"))
+    t = load_target(dirs["ctx_llama"])
     prompt = prompts(1, 29)[0]
+    spec = scripted(t, "full", [prompt], 30)
     want = plain_tokens(t, prompt, 30)
     k = 6
     r = spec.generate(prompt, 30, num_draft_tokens=k, stop_token_ids=[])
@@ -309,10 +312,10 @@ def test_capacity_table():
 
 @pytest.mark.parametrize("mode", ["full", "zero"])
 def test_generation_runs_exactly_to_max_len(dirs, mode):
-    t = load_target(dirs["bigram_llama"], max_seq_len=40)
-    spec = spec_with(t, forced_head(t, mode))
+    t = load_target(dirs["ctx_llama"], max_seq_len=40)
     prompt = prompts(1, 31, 9, 10)[0]
     n = 40 - len(prompt)
+    spec = scripted(t, mode, [prompt], n)
     want = plain_tokens(t, prompt, n)
     for k in (1, 3, 5, 8):
         r = spec.generate(prompt, n, num_draft_tokens=k, stop_token_ids=[])
@@ -322,18 +325,18 @@ def test_generation_runs_exactly_to_max_len(dirs, mode):
 
 
 def test_one_new_token_is_the_prefill_token(dirs):
-    t = load_target(dirs["bigram_llama"])
-    spec = spec_with(t, forced_head(t, "full"))
+    t = load_target(dirs["ctx_llama"])
     prompt = prompts(1, 37)[0]
+    spec = scripted(t, "full", [prompt], 1)
     r = spec.generate(prompt, 1, num_draft_tokens=4, stop_token_ids=[])
     assert r.token_ids == plain_tokens(t, prompt, 1)
     assert r.stats["target_forwards"] == 1 and r.stats["rounds"] == 0
 
 
 def test_stats_are_consistent(dirs):
-    t = load_target(dirs["bigram_qwen2"])
+    t = load_target(dirs["ctx_qwen2"])
     for mode in ("full", "partial", "zero"):
-        spec = spec_with(t, forced_head(t, mode))
+        spec = scripted(t, mode, prompts(1, 41), 37)
         for k in (2, 5):
             r = spec.generate(prompts(1, 41)[0], 37, num_draft_tokens=k, stop_token_ids=[])
             s = r.stats
@@ -349,9 +352,9 @@ def test_stats_are_consistent(dirs):
 
 
 def test_bad_requests_leave_no_state(dirs):
-    t = load_target(dirs["bigram_llama"])
-    spec = spec_with(t, forced_head(t, "full"))
+    t = load_target(dirs["ctx_llama"])
     prompt = prompts(1, 43)[0]
+    spec = scripted(t, "full", [prompt], 12)
     want = spec.generate(prompt, 12, num_draft_tokens=3, stop_token_ids=[]).token_ids
     for bad in (dict(num_draft_tokens=0), dict(num_draft_tokens=-1), dict(num_draft_tokens=33),
                 dict(num_draft_tokens=2.5)):
@@ -372,17 +375,17 @@ def test_speculator_requires_a_head_with_an_embedding(dirs):
 # -- the public API and CLI ---------------------------------------------------------------------------
 
 def test_load_and_cli_with_a_saved_head(dirs, tmp_path):
-    t = load_target(dirs["bigram_llama"])
-    head = forced_head(t, "full")
-    for fmt in ("speculators",):
-        save_head(head, str(tmp_path / fmt), fmt)
-    spec = eagle3.load(dirs["bigram_llama"], str(tmp_path / "speculators"))
+    t = load_target(dirs["ctx_llama"])
     prompt = prompts(1, 47)[0]
+    head = scripted_head(t, [prompt], 16)
+    for fmt in ("speculators",):
+        save_head(head, str(tmp_path / fmt), fmt, include_embedding=True)
+    spec = eagle3.load(dirs["ctx_llama"], str(tmp_path / "speculators"))
     want = plain_tokens(t, prompt, 16)
     r = spec.generate(prompt, 16, num_draft_tokens=4, stop_token_ids=[])
     assert r.token_ids == want and r.stats["accepted_tokens"] == r.stats["draft_tokens"]
 
-    cmd = [sys.executable, "-m", "eagle3", "generate", "--target", dirs["bigram_llama"], "--draft",
+    cmd = [sys.executable, "-m", "eagle3", "generate", "--target", dirs["ctx_llama"], "--draft",
            str(tmp_path / "speculators"), "--prompt-ids", ",".join(map(str, prompt)),
            "--max-new-tokens", "16", "--num-draft-tokens", "4", "--stop-ids", "", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

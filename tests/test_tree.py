@@ -1,9 +1,10 @@
 """Tree drafting: shapes, the tree built from the draft, and greedy losslessness against plain decoding.
 
 Tree greedy output must equal plain greedy output for every tree shape,
-architecture, vocabulary and acceptance pattern (heads forced to agree fully,
-through a second child, or not at all: tests/heads.py), with EOS inside an
-accepted path, and up to the cache's last slot where the tree must shrink.
+architecture, vocabulary and acceptance pattern (heads scripted to agree fully,
+through a second child, or not at all, on a target whose attention changes its
+output: tests/heads.py), with EOS inside an accepted path, and up to the cache's
+last slot where the tree must shrink.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from eagle3.draft import attach_head, random_head
 from eagle3.errors import Eagle3Error
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import forced_head, save_bigram_target
+from heads import save_context_target, scripted_head
 
 V = 160
 SHAPES = [dict(top_k=1, depth=1, total_tokens=1), dict(top_k=2, depth=3, total_tokens=5),
@@ -39,7 +40,7 @@ def dirs(tmp_path_factory):
         d = str(root / name)
         make_hf_model(name, seed=3).save_pretrained(d)
         out[name] = d
-    out["bigram"] = save_bigram_target(str(root / "bigram"), "llama")
+    out["ctx"] = save_context_target(str(root / "ctx"), "llama")
     return out
 
 
@@ -52,6 +53,11 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 def spec_with(target, head) -> Eagle3Speculator:
     attach_head(head, target)
     return Eagle3Speculator(target, head)
+
+
+def scripted(target, mode: str, ps: list[list[int]], n: int, **kw) -> Eagle3Speculator:
+    """A speculator whose head drafts `target`'s greedy runs of `ps` (n tokens) per `mode`."""
+    return spec_with(target, scripted_head(target, ps, n, mode, **kw))
 
 
 def plain(target, prompt, n, stop=()):
@@ -204,22 +210,21 @@ def test_random_head_tree_lossless(dirs, name, shape):
 
 
 @pytest.fixture(scope="module")
-def bigram(dirs):
-    return load_target(dirs["bigram"])
+def ctx(dirs):
+    return load_target(dirs["ctx"])
 
 
 @pytest.mark.parametrize("mode", ["full", "second", "zero"])
 @pytest.mark.parametrize("shape", [dict(top_k=2, depth=4, total_tokens=8),
                                    dict(top_k=4, depth=6, total_tokens=24)])
-def test_forced_heads_tree(bigram, mode, shape):
-    t = bigram
-    head = forced_head(t, mode)
-    spec = spec_with(t, head)
+def test_forced_heads_tree(ctx, mode, shape):
+    t = ctx
+    spec = scripted(t, mode, ps := prompts(4, seed=11), 40)
     compacted = []
     real_compact = t.compact_cache
     t.compact_cache = lambda cache, src, dst: (compacted.append(src.tolist()), real_compact(cache, src, dst))
     try:
-        for p in prompts(4, seed=11):
+        for p in ps:
             r = spec.generate(p, 40, tree=shape, stop_token_ids=[])
             assert r.token_ids == plain(t, p, 40)
             hist = r.stats["accept_len_hist"]
@@ -233,28 +238,24 @@ def test_forced_heads_tree(bigram, mode, shape):
         assert compacted
 
 
-def test_reduced_vocab_and_own_embedding_tree(bigram):
-    vocab = sorted(set(range(0, V, 2)) | set(bigram_targets(bigram)))
+def test_reduced_vocab_and_own_embedding_tree(ctx):
+    ps = prompts(3, seed=4)
+    vocab = sorted(set(range(0, V, 2)) | {tok for p in ps for tok in plain(ctx, p, 30)})
     for own in (False, True):
-        spec = spec_with(bigram, forced_head(bigram, "full", draft_vocab=vocab, own_embedding=own))
-        for p in prompts(3, seed=4):
+        spec = scripted(ctx, "full", ps, 30, draft_vocab=vocab, own_embedding=own)
+        for p in ps:
             r = spec.generate(p, 30, tree=dict(top_k=3, depth=5, total_tokens=12), stop_token_ids=[])
-            assert r.token_ids == plain(bigram, p, 30)
+            assert r.token_ids == plain(ctx, p, 30)
             assert r.stats["mean_accept_len"] > 4
 
 
-def bigram_targets(t):
-    from heads import bigram_table
-    return bigram_table(t).tolist()
-
-
-def test_eos_inside_an_accepted_path(bigram):
-    spec = spec_with(bigram, forced_head(bigram, "full"))
+def test_eos_inside_an_accepted_path(ctx):
     p = prompts(1, seed=9)[0]
-    free = plain(bigram, p, 30)
+    spec = scripted(ctx, "full", [p], 30)
+    free = plain(ctx, p, 30)
     for i in (2, 3, 7):  # stop ids that occur inside accepted paths
         stop = [free[i]]
-        want = plain(bigram, p, 30, stop)
+        want = plain(ctx, p, 30, stop)
         got = spec.generate(p, 30, tree=dict(top_k=2, depth=6, total_tokens=12), stop_token_ids=stop)
         assert got.token_ids == want and got.token_ids[-1] == stop[0]
 
@@ -262,11 +263,11 @@ def test_eos_inside_an_accepted_path(bigram):
 @pytest.mark.parametrize("mode", ["full", "second"])
 def test_tree_runs_exactly_to_max_len(dirs, mode):
     """Up to the last slot: the tree shrinks to the room left (capacity counts nodes)."""
-    t = load_target(dirs["bigram"], max_seq_len=40)
-    spec = spec_with(t, forced_head(t, mode))
+    t = load_target(dirs["ctx"], max_seq_len=40)
     for plen in (1, 5, 17, 30, 38):
         p = prompts(1, seed=plen)[0][:1] * plen
         n = 40 - plen
+        spec = scripted(t, mode, [p], n)
         r = spec.generate(p, n, tree=dict(top_k=4, depth=6, total_tokens=24), stop_token_ids=[])
         assert r.token_ids == plain(t, p, n)
         assert len(r.token_ids) == n
@@ -276,47 +277,38 @@ def test_tree_runs_exactly_to_max_len(dirs, mode):
 @given(prompt=st.lists(st.integers(1, V - 1), min_size=1, max_size=12), k=st.integers(1, 4),
        depth=st.integers(1, 6), total=st.integers(1, 30), n=st.integers(1, 30),
        mode=st.sampled_from(["full", "second", "zero"]))
-def test_property_tree_lossless(bigram, prompt, k, depth, total, n, mode):
+def test_property_tree_lossless(ctx, prompt, k, depth, total, n, mode):
     total = min(total, k + (depth - 1) * k * k)
-    spec = _spec(bigram, mode)
+    spec = scripted(ctx, mode, [prompt], n)
     got = spec.generate(prompt, n, tree=dict(top_k=k, depth=depth, total_tokens=total), stop_token_ids=[])
-    assert got.token_ids == plain(bigram, prompt, n)
+    assert got.token_ids == plain(ctx, prompt, n)
     s = got.stats
     assert s["rounds"] == sum(s["accept_len_hist"])
     assert s["accepted_tokens"] == sum(s["accepted_per_position"])
 
 
-_SPECS: dict = {}
-
-
-def _spec(t, mode):
-    if mode not in _SPECS:
-        _SPECS[mode] = spec_with(t, forced_head(t, mode))
-    return _SPECS[mode]
-
-
-def test_low_acceptance_warning_judges_the_first_position(dirs, bigram, capsys):
+def test_low_acceptance_warning_judges_the_first_position(dirs, ctx, capsys):
     t = load_target(dirs["llama"])
     spec = spec_with(t, random_head(t, taps=(1, 3, 5)))  # agrees with the target ~never
     spec.generate(prompts(1)[0], 60, tree=dict(top_k=2, depth=2, total_tokens=3), stop_token_ids=[])
     assert "acceptance is near zero" in capsys.readouterr().err
     # A good head in a wide tree: 2 of 72 nodes accepted per round, every first position right.
-    good = spec_with(bigram, forced_head(bigram, "full"))
+    good = scripted(ctx, "full", prompts(1), 120)
     r = good.generate(prompts(1)[0], 120, tree=dict(top_k=8, depth=2, total_tokens=72),
                       stop_token_ids=[])
     assert r.stats["rounds"] >= 32 and r.stats["accepted_tokens"] / r.stats["draft_tokens"] < 0.05
     assert "near zero" not in capsys.readouterr().err
 
 
-def test_cli_tree_and_sampling(dirs, bigram, tmp_path, capsys):
+def test_cli_tree_and_sampling(dirs, ctx, tmp_path, capsys):
     import json
 
     from eagle3.cli import main
     from eagle3.draft import save_head
 
-    save_head(forced_head(bigram, "full"), str(tmp_path / "head"), "speculators")
     p = prompts(1, 21)[0]
-    base = ["generate", "--target", dirs["bigram"], "--draft", str(tmp_path / "head"), "--prompt-ids",
+    save_head(scripted_head(ctx, [p], 20), str(tmp_path / "head"), "speculators", include_embedding=True)
+    base = ["generate", "--target", dirs["ctx"], "--draft", str(tmp_path / "head"), "--prompt-ids",
             ",".join(map(str, p)), "--max-new-tokens", "20", "--stop-ids", "", "--json"]
 
     def run(*extra):
@@ -324,7 +316,7 @@ def test_cli_tree_and_sampling(dirs, bigram, tmp_path, capsys):
         captured = capsys.readouterr()
         return code, (json.loads(captured.out) if code == 0 else captured.err)
 
-    want = plain(bigram, p, 20)
+    want = plain(ctx, p, 20)
     code, out = run("--tree-depth", "5", "--tree-top-k", "2", "--tree-total-tokens", "9")
     assert code == 0 and out["token_ids"] == want
     assert out["stats"]["tree"] == {"top_k": 2, "depth": 5, "total_tokens": 9}
