@@ -585,3 +585,20 @@ def test_engine_holds_a_plan_for_repick_every_rounds(ctx, monkeypatch):
     runs = [(B, len(list(g))) for B, g in itertools.groupby(sizes)]
     assert [B for B, _ in runs][:2] == [1, 2] and len(runs) >= 2
     assert chosen == [B for B, n in runs for _ in range(-(-n // REPICK_EVERY))]
+
+
+def test_every_sampling_parameter_reaches_the_engine(random_target):
+    """Each of temperature, top_p, top_k and seed changes the engine's output, and the output
+    with it equals generate's: a parameter the engine dropped would fail one or the other."""
+    spec = spec_for(random_target, "random")
+    p = prompts(1, seed=89, low=4, high=8)[0]
+    base = dict(temperature=1.0, top_p=1.0, top_k=0, seed=1)
+    variants = [base, {**base, "temperature": 0.3}, {**base, "top_p": 0.5}, {**base, "top_k": 3},
+                {**base, "seed": 2}]
+    engine = Engine(spec, EngineConfig(max_batch=5, num_draft_tokens=2)).start(background=False)
+    reqs = [engine.submit(p, 24, stop_token_ids=[], **kw) for kw in variants]
+    engine.run_until_idle()
+    outs = [r.token_ids for r in reqs]
+    for kw, out in zip(variants, outs):
+        assert out == spec.generate(p, 24, stop_token_ids=[], num_draft_tokens=2, **kw).token_ids, kw
+    assert all(out != outs[0] for out in outs[1:]), "a sampling parameter changed nothing"

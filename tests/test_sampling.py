@@ -151,9 +151,17 @@ def test_tree_accept_is_lossless():
 
 
 # -- end to end on a tiny target ------------------------------------------------------------------
+#
+# Six new tokens from a vocabulary of 8: chains of K = 1..4 and a tree run several rounds, and
+# the exact distribution of every adjacent pair of output positions is computed by enumerating
+# all 8^5 prefixes. n draws make the chi-square check strong enough that a sampler with a
+# planted bug (the rejected draft kept, or the resample not taken from the residual) fails it:
+# `test_a_broken_sampler_fails_the_end_to_end_check` runs those negative controls.
 
-VOCAB = 12
-N_NEW = 3
+VOCAB = 8
+N_NEW = 6
+SPANS = [(0, 1), (2, 3), (4, 5)]
+DRAWS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -163,31 +171,65 @@ def tiny(tmp_path_factory):
     t = load_target(d)
     head = random_head(t, taps=(1, 3, 5), scale=0.5, seed=2)
     attach_head(head, t)
-    reduced = random_head(t, taps=(1, 3, 5), scale=0.5, seed=3, draft_vocab_size=8)
+    reduced = random_head(t, taps=(1, 3, 5), scale=0.5, seed=3, draft_vocab_size=6)
     attach_head(reduced, t)
     return t, head, reduced
 
 
 @torch.no_grad()
-def exact_distribution(target, prompt: list[int], params: SamplingParams) -> dict:
-    """P(t1, t2, t3) by enumerating every prefix (batched forwards on fresh caches)."""
+def exact_pairs(target, prompt: list[int], params: SamplingParams) -> dict:
+    """{span: {(a, b): P(out[i] = a, out[j] = b)}} by enumerating every prefix of the output
+    (batched forwards on fresh caches), from the target's sampling distribution alone."""
     sampler = Sampler(params)
-    probs: dict = {(): 1.0}
+    joint = torch.ones(1, dtype=torch.float64)  # over the prefixes, in lexicographic order
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
     for _ in range(N_NEW):
-        prefixes = list(probs)
-        tokens = torch.tensor([prompt + list(x) for x in prefixes])
-        T = tokens.shape[1]
-        logits, _ = target.forward_logits_taps(tokens, torch.arange(T), target.new_cache(len(prefixes), T),
-                                               kv_len=T, with_taps=False)
-        nxt = sampler.probs(logits[:, -1]).double()
-        probs = {x + (v,): probs[x] * float(nxt[i, v]) for i, x in enumerate(prefixes)
-                 for v in range(VOCAB) if nxt[i, v] > 0}
-    return probs
+        n, T = prefixes.shape[0], len(prompt) + prefixes.shape[1]
+        tokens = torch.cat([torch.tensor([prompt]).expand(n, -1), prefixes], 1)
+        nxt = []
+        for chunk in tokens.split(4096):
+            logits, _ = target.forward_logits_taps(chunk, torch.arange(T), target.new_cache(len(chunk), T),
+                                                   kv_len=T, with_taps=False)
+            nxt.append(sampler.probs(logits[:, -1]).double())
+        joint = (joint[:, None] * torch.cat(nxt)).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0),
+                              torch.arange(VOCAB).repeat(n)[:, None]], 1)
+    J = joint.reshape((VOCAB,) * N_NEW)
+    out = {}
+    for i, j in SPANS:
+        pair = J.sum(dim=[d for d in range(N_NEW) if d not in (i, j)])
+        out[(i, j)] = {(a, b): float(pair[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+    return out
+
+
+def pair_p_values(outputs: list[tuple], want: dict) -> dict:
+    """The chi-square p-value of each span's observed pairs against `want`."""
+    out = {}
+    for (i, j), probs in want.items():
+        counts: dict = {}
+        for seq in outputs:
+            counts[(seq[i], seq[j])] = counts.get((seq[i], seq[j]), 0) + 1
+        out[(i, j)] = chi_square_p(counts, probs, len(outputs))
+    return out
+
+
+def draw(spec, prompt, params, mode: dict, n: int = DRAWS) -> tuple[list[tuple], int]:
+    outputs, accepted = [], 0
+    for seed in range(n):
+        r = spec.generate(prompt, N_NEW, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=seed, stop_token_ids=[], **mode)
+        outputs.append(tuple(r.token_ids))
+        accepted += r.stats["accepted_tokens"]
+    return outputs, accepted
 
 
 TREE = dict(tree=dict(top_k=3, depth=3, total_tokens=8))
-MODES = {"plain": dict(), "chain": dict(num_draft_tokens=2), "tree": TREE,
-         "chain_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE}
+MODES = {"plain": dict(), "K=1": dict(num_draft_tokens=1), "K=2": dict(num_draft_tokens=2),
+         "K=4": dict(num_draft_tokens=4), "tree": TREE,
+         "K=2_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE}
+PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=5)]
+# Every mode at temperature 1; the warped distribution on a chain and a tree (suite time).
+CASES = [(m, PARAMS[0]) for m in MODES] + [("K=2", PARAMS[1]), ("tree", PARAMS[1])]
 
 
 def spec_for(tiny, mode: str) -> Eagle3Speculator:
@@ -196,34 +238,48 @@ def spec_for(tiny, mode: str) -> Eagle3Speculator:
                             reduced if mode.endswith("reduced_vocab") else head)
 
 
+@pytest.fixture(scope="module")
+def exact(tiny):
+    return {p: exact_pairs(tiny[0], [3, 7, 1], p) for p in PARAMS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=6)],
-                         ids=["t1", "t0.8-p0.85-k6"])
-def test_speculative_sampling_matches_the_exact_distribution(tiny, mode, params):
-    target = tiny[0]
-    spec = spec_for(tiny, mode)
-    prompt = [3, 7, 1]
-    want = exact_distribution(target, prompt, params)
-    n = 1500
-    outputs = []
-    accepted = 0
-    for seed in range(n):
-        r = spec.generate(prompt, N_NEW, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k, seed=seed, stop_token_ids=[], **MODES[mode])
-        outputs.append(tuple(r.token_ids))
-        accepted += r.stats["accepted_tokens"]
-    # Joint distributions of adjacent pairs (V^2 cells, well populated at n draws).
-    for span in (slice(0, 2), slice(1, 3)):
-        pair_want: dict = {}
-        for seq, p in want.items():
-            pair_want[seq[span]] = pair_want.get(seq[span], 0.0) + p
-        counts: dict = {}
-        for seq in outputs:
-            counts[seq[span]] = counts.get(seq[span], 0) + 1
-        assert chi_square_p(counts, pair_want, n) > 1e-3, span
-    if mode != "plain" and params.top_k == 0:  # (top-k 6 leaves the reduced head nothing)
-        assert accepted > n // 10  # hundreds of accepted drafts: the rules were exercised
+@pytest.mark.parametrize("mode,params", CASES,
+                         ids=[f"{m}-t{p.temperature}-p{p.top_p}-k{p.top_k}" for m, p in CASES])
+def test_speculative_sampling_matches_the_exact_distribution(tiny, exact, mode, params):
+    outputs, accepted = draw(spec_for(tiny, mode), [3, 7, 1], params, MODES[mode])
+    for span, p in pair_p_values(outputs, exact[params]).items():
+        assert p > 1e-3, (mode, span, p)
+    if mode != "plain":  # hundreds of accepted drafts: the rules ran, over several rounds
+        assert accepted > DRAWS // 10, accepted
+
+
+def _keep_the_rejected_draft(sampler, p, drafts, q=None):
+    a, nxt = speculative_accept(sampler, p, drafts, q)
+    if a < drafts.shape[0]:  # off by one: the first rejected draft is emitted as accepted
+        return a + 1, int(sampler.sample(p[a + 1]))
+    return a, nxt
+
+
+def _resample_from_the_target(sampler, p, drafts, q=None):
+    a, nxt = speculative_accept(sampler, p, drafts, q)
+    if a < drafts.shape[0]:  # after a rejection, draw from p rather than from max(p - q, 0)
+        return a, int(sampler.sample(p[a]))
+    return a, nxt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [_keep_the_rejected_draft, _resample_from_the_target],
+                         ids=["rejected-draft-kept", "no-residual"])
+def test_a_broken_sampler_fails_the_end_to_end_check(tiny, exact, bug, monkeypatch):
+    """The negative controls: the same draws and check as above with one rule broken must fail
+    (p < 1e-6 on some span), so the check above has the power to catch such a bug."""
+    from eagle3.decoding import accept
+
+    monkeypatch.setattr(accept, "speculative_accept", bug)
+    params = PARAMS[0]
+    outputs, _ = draw(spec_for(tiny, "K=2"), [3, 7, 1], params, MODES["K=2"])
+    assert min(pair_p_values(outputs, exact[params]).values()) < 1e-6
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -489,3 +489,24 @@ def test_bounded_load(server, spec, want):
         ok = list(pool.map(one, range(24)))
     assert all(ok) and time.monotonic() - t0 < 120
     wait_until(lambda: kv_idle(server.engine), 10, "KV not freed after the load")
+
+
+def test_every_sampling_parameter_reaches_the_server(server, spec):
+    """temperature, top_p, top_k (an extra field, as vLLM takes it) and seed each change the
+    answer, and each answer equals generate's with the same parameters: one the server
+    dropped or renamed would fail."""
+    ids = spec.tokenizer.encode(PROMPTS[1])
+    base = dict(temperature=1.0, top_p=1.0, top_k=0, seed=7)
+    variants = [base, {**base, "temperature": 0.4}, {**base, "top_p": 0.6}, {**base, "top_k": 3},
+                {**base, "seed": 8}]
+    outs = []
+    for kw in variants:
+        r = requests.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": ids,
+                                                                 "max_tokens": 24, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["eagle3"]["token_ids"])
+    for kw, out in zip(variants, outs):
+        want = spec.generate(ids, 24, temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
+                             seed=kw["seed"]).token_ids
+        assert out == want, kw
+    assert all(out != outs[0] for out in outs[1:]), "a sampling parameter changed nothing"
