@@ -29,7 +29,7 @@ lint: $(STAMP)
 
 # The whole suite, slow tests included; exit 5 (no tests collected) counts as failure.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 -q tests
+	$(BIN)/python -m pytest -n 2 -q -rs tests
 
 fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests

@@ -17,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from conftest import make_hf_model
-
-transformers = pytest.importorskip("transformers")
 
 MODULE = [sys.executable, "-m", "eagle3"]
 SCRIPT = [os.path.join(os.path.dirname(sys.executable), "eagle3")]

@@ -474,7 +474,6 @@ def test_cli_reports_corrupt_files_in_one_line(pristine, tmp_path):
 @pytest.fixture(scope="module")
 def program(pristine, tmp_path_factory) -> Path:
     """One tiny exported program (2 layers, short cache): lowering is the slow part (~50 s)."""
-    pytest.importorskip("executorch", reason="the [export] extra is missing: pip install 'eagle3[export]'")
     from eagle3.export import export_program
 
     root = tmp_path_factory.mktemp("program")

@@ -14,8 +14,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("executorch", reason="the [export] extra is missing: pip install 'eagle3[export]'")
-
 import eagle3  # noqa: E402
 from conftest import make_hf_model  # noqa: E402
 from eagle3.draft import attach_head, random_head, save_head  # noqa: E402

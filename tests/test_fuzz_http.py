@@ -18,12 +18,7 @@ import socket
 import time
 
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-requests = pytest.importorskip("requests")
-hypothesis = pytest.importorskip("hypothesis")
-
+import requests
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -178,7 +173,7 @@ def check_response(r: requests.Response, stream_lines: list[bytes] | None) -> No
 # -- the fuzzers ---------------------------------------------------------------------------------
 @FUZZ
 @given(case=request_bytes(), auth=AUTH)
-def test_fuzzed_requests(server, case, auth):
+def fuzz_a_request(server, case, auth):
     path, raw = case
     headers = {"Content-Type": "application/json"}
     if auth is not None:
@@ -213,7 +208,7 @@ STREAM = json.dumps({"model": NAME, "prompt": "class Foo:\n", "max_tokens": MAX_
 @given(kind=st.sampled_from(["cut", "cut-declared", "hangup-after-body", "hangup-mid-stream", "shut-wr",
                              "garbage", "bad-header"]),
        cut=st.integers(0, 400), read=st.integers(0, 600), junk=st.binary(max_size=200))
-def test_fuzzed_connections(server, kind, cut, read, junk):
+def fuzz_a_connection(server, kind, cut, read, junk):
     """Half-sent requests, hang-ups mid-request and mid-stream, garbage on the wire."""
     STATS["raw_cases"] += 1
     full = _http("/v1/completions", STREAM if kind == "hangup-mid-stream" else VALID)
@@ -255,8 +250,23 @@ def test_fuzzed_connections(server, kind, cut, read, junk):
     wait_until(lambda: kv_idle(server.engine), 15, f"a {kind} connection left KV behind")
 
 
-def test_server_still_exact_after_fuzzing(server, spec, want):
-    """Runs after the fuzzers: greedy answers still equal generate's, streamed or not."""
+# Each test fuzzes the server and then checks it on that same server (a separate check could
+# run in another pytest-xdist worker, against a server nobody fuzzed).
+def test_fuzzed_requests_then_still_exact(server, want):
+    fuzz_a_request(server)
+    assert STATS["http_cases"] >= EXAMPLES
+    assert_still_exact(server, want)
+
+
+def test_fuzzed_connections_then_still_exact(server, want):
+    """Half-sent requests, hang-ups mid-request and mid-stream, garbage on the wire."""
+    fuzz_a_connection(server)
+    assert STATS["raw_cases"] >= EXAMPLES
+    assert_still_exact(server, want)
+
+
+def assert_still_exact(server, want):
+    """Greedy answers still equal generate's, no request failed, no KV held."""
     m = server.engine.metrics()
     assert m["requests_failed"] == 0, m
     for prompt, ids in want.items():

@@ -15,8 +15,6 @@ from eagle3.errors import Eagle3Error
 from eagle3.targets import load_target
 from gguf_files import Q, oracle, write_gguf
 
-pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
-
 # transformers' GGUF loader ignores Gemma's softcap and query-scale keys (it keeps its config
 # defaults: softcaps 50 / 30, query_pre_attn_scalar 256), so the Gemma fixtures use those values.
 GEMMA = dict(head_dim=256, query_pre_attn_scalar=256)
@@ -239,3 +237,29 @@ def test_cli_chat_needs_a_chat_template(tmp_path, monkeypatch):
                        text=True, timeout=300, input="hello world\n/reset\nthe fox\n/exit\n", env=env)
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("tok/s") == 2 and "conversation reset" in p.stderr
+
+
+@pytest.mark.parametrize("layers", [3, 46])
+def test_gemma2_gguf_reads_its_softcaps_and_query_scale(tmp_path, layers):
+    """Soft-caps unlike transformers' defaults (50 / 30) come from the file's metadata, and the
+    query scale follows llama.cpp's rule: 1/sqrt(head_dim), or 1/sqrt(H/heads) for the 46-layer
+    (27B) shape, here with head_dim != H/heads. transformers' GGUF loader keeps its config
+    defaults for these keys, so the oracle is the transformers model the file was written from."""
+    H, heads, hd = 64, 4, 32
+    scalar = H // heads if layers == 46 else hd
+    hf = make_hf_model("gemma2", seed=4, num_hidden_layers=layers, head_dim=hd, sliding_window=7,
+                       attn_logit_softcapping=7.0, final_logit_softcapping=4.0, query_pre_attn_scalar=scalar)
+    with torch.no_grad():  # tied, small embeddings: logits far from the final cap otherwise
+        hf.get_input_embeddings().weight.mul_(100.0)
+    path = str(tmp_path / "gemma2.gguf")
+    write_gguf(hf, path)
+    t = load_target(path, taps=(0, 1, 2))
+    cfg = t.config
+    assert (cfg.attn_softcap, cfg.final_softcap) == (7.0, 4.0)
+    assert cfg.attn_scale == pytest.approx(scalar ** -0.5)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got, _ = t.forward_logits_taps(ids, torch.arange(24), t.new_cache(1, 64), kv_len=24, with_taps=False)
+    assert want.abs().max() > 3.0  # the final cap (4.0) is reached, not idle
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

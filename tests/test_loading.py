@@ -15,14 +15,13 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import eagle3
 from conftest import make_checkpoint, make_hf_model
 from eagle3 import Eagle3Error
 from eagle3.targets import HFTarget, NativeTarget, load_target
-
-transformers = pytest.importorskip("transformers")
 
 IDS = [5, 17, 3, 99, 42, 7, 131, 64, 8, 150, 1, 77]
 

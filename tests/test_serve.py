@@ -20,14 +20,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-openai = pytest.importorskip("openai")
-requests = pytest.importorskip("requests")
-
+import requests
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import eagle3  # noqa: E402

@@ -16,13 +16,9 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-requests = pytest.importorskip("requests")
-
+import requests
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from eagle3.engine import Engine, EngineConfig  # noqa: E402

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import eagle3
 from conftest import make_hf_model
@@ -31,8 +32,6 @@ from eagle3.train.data import collate, load_regenerated
 from eagle3.train.trainer import TrainArgs, _target_forward, new_head, prepare, train_draft
 from eagle3.train.ttt import ttt_loss
 from eagle3.train.vocab import build_draft_vocab
-
-transformers = pytest.importorskip("transformers")
 
 V = 160  # conftest COMMON vocab
 PROMPTS = [[5, 17, 3, 99, 42, 7, 11, 60], [120, 4, 4, 8, 15, 16, 23, 42], [1, 2, 3, 4, 5, 6],
