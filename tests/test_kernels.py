@@ -507,24 +507,42 @@ def test_the_heads_layer_runs_as_one_op_with_the_same_bits(quantize, path):
     d.midlayer.fused = True
 
 
-@pytest.mark.parametrize("quantize", [None, "int4"])
-def test_speculative_equals_plain_in_each_format(llama_dir, quantize):
-    from eagle3.draft import attach_head, random_head
-    from eagle3.speculator import Eagle3Speculator
+@pytest.fixture(scope="module")
+def ctx_dir(tmp_path_factory):
+    """A target whose attention changes its output (tests/heads.py)."""
+    from heads import save_context_target
 
-    spec = eagle3.load(llama_dir, "none", quantize=quantize)
-    t = spec.target
-    head = random_head(t, taps=(1, 3, 5), seed=4)
+    return save_context_target(str(tmp_path_factory.mktemp("kern") / "ctx"))
+
+
+def scripted_spec(path: str, quantize, prompts: list[list[int]], n: int):
+    """`path` in format `quantize` with a head scripted along its own greedy runs of `prompts`
+    (drafts right after even tokens: accepted lengths vary), so verifies accept and roll back."""
+    from eagle3.draft import attach_head
+    from eagle3.speculator import Eagle3Speculator
+    from heads import scripted_head
+
+    t = eagle3.load(path, "none", quantize=quantize).target
+    head = scripted_head(t, prompts, n, "mixed")
     attach_head(head, t)
-    s = Eagle3Speculator(t, head)
-    plain = Eagle3Speculator(t)
+    return Eagle3Speculator(t, head)
+
+
+@pytest.mark.parametrize("quantize", [None, "bf16", "int8", "int4"])
+def test_speculative_equals_plain_in_each_format(ctx_dir, quantize):
     torch.manual_seed(1)
-    for _ in range(4):
-        prompt = torch.randint(1, 160, (int(torch.randint(3, 20, (1,))),)).tolist()
+    prompts = [torch.randint(1, 160, (int(torch.randint(3, 20, (1,))),)).tolist() for _ in range(4)]
+    s = scripted_spec(ctx_dir, quantize, prompts, 40)
+    plain = s.plain()
+    accepted = 0
+    for prompt in prompts:
         ref = plain.generate(prompt, 40).token_ids
-        for k in (1, 3, 6):
-            assert s.generate(prompt, 40, num_draft_tokens=k).token_ids == ref
-        assert s.generate(prompt, 40, tree=True).token_ids == ref
+        for kw in (dict(num_draft_tokens=1), dict(num_draft_tokens=3), dict(num_draft_tokens=6),
+                   dict(tree=True)):
+            r = s.generate(prompt, 40, **kw)
+            assert r.token_ids == ref, (quantize, kw)
+            accepted += r.stats["accepted_tokens"]
+    assert accepted > 100  # drafts accepted and rolled back, in this format
 
 
 def test_cli_quantize_errors(llama_dir):
@@ -540,26 +558,22 @@ def test_cli_quantize_errors(llama_dir):
 
 
 @pytest.mark.parametrize("quantize", [None, "int4"])
-def test_engine_batches_in_a_format_equal_single_requests(llama_dir, quantize):
+def test_engine_batches_in_a_format_equal_single_requests(ctx_dir, quantize):
     """The engine's ragged batches (paged cache, per-row masks) on the kernels: every request
-    equals its own plain decoding, with a head that drafts (acceptance near zero or not)."""
-    from eagle3.draft import attach_head, random_head
+    equals its own plain decoding, with a head whose drafts are accepted and rejected."""
     from eagle3.engine import Engine, EngineConfig
-    from eagle3.speculator import Eagle3Speculator
 
-    t = eagle3.load(llama_dir, "none", quantize=quantize).target
-    head = random_head(t, taps=(1, 3, 5), seed=7)
-    attach_head(head, t)
-    spec = Eagle3Speculator(t, head)
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(1, 160, (int(n),), generator=g).tolist() for n in (3, 9, 17, 6, 12)]
+    spec = scripted_spec(ctx_dir, quantize, ps, 24)
     engine = Engine(spec, EngineConfig(max_batch=3, num_draft_tokens=3))
     engine.start(background=False)
     reqs = [engine.submit(p, 24, stop_token_ids=[]) for p in ps]
     engine.run_until_idle()
     for r, p in zip(reqs, ps):
         assert r.token_ids == spec.plain().generate(p, 24, stop_token_ids=[]).token_ids
-    assert engine.metrics()["kv_used_tokens"] == 0
+    m = engine.metrics()
+    assert m["kv_used_tokens"] == 0 and m["spec_decode_num_accepted_tokens"] > 20
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
