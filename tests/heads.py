@@ -79,7 +79,7 @@ def greedy_runs(target, prompts: list[list[int]], n_new: int) -> list[list[int]]
 @torch.no_grad()
 def scripted_head(target, prompts: list[list[int]], n_new: int, mode: str = "full",
                   draft_vocab: list[int] | None = None, taps: tuple[int, int, int] = (1, 2, 3),
-                  seed: int = 0, own_embedding: bool = True, hidden: int = 512,
+                  seed: int = 0, own_embedding: bool = True, hidden: int | None = None,
                   norm_before_residual: bool = True) -> Eagle3Draft:
     """A real `Eagle3Draft` that drafts `target`'s greedy continuation of `prompts` (up to
     `n_new` tokens each), right or wrong per `mode` (the modes of `forced_head`).
@@ -91,14 +91,16 @@ def scripted_head(target, prompts: list[list[int]], n_new: int, mode: str = "ful
     position code q and writes those of x[q+1]; `lm_head` reads token codes only. So the head's
     first draft in a round is right iff its key is, and each later one iff bank B's entry is.
     Off the runs (other prompts, beyond `n_new`) it drafts noise: rejections, never errors.
-    A head sharing the target's embedding (`own_embedding=False`) is as wide as the target, which
-    holds codes for a few short runs only; `norm_before_residual=False` (the residual is the raw
-    previous feature, cancelled by bank B) stays exact for short chains only (as `forced_head`).
+    Its width `hidden` defaults to 256 for up to 300 codes, else 512 (random codes stay nearly
+    orthogonal; a narrower head keeps its step cheap next to the target's, as automatic K
+    expects of a real head). A head sharing the target's embedding (`own_embedding=False`) is
+    as wide as the target, which holds codes for a few short runs only. With
+    `norm_before_residual=False` (the residual is the raw previous feature, which bank B
+    cancels) lookup noise builds up: exact for short chains only.
     """
     assert mode in ("full", "partial", "zero", "second", "mixed")
     g = torch.Generator().manual_seed(seed)
     V, Ht = target.config.vocab_size, target.config.hidden_size
-    H = hidden if own_embedding else Ht  # a shared embedding fixes the width
     runs = greedy_runs(target, prompts, n_new)
     keys, a_vals, b_keys, b_vals = [], [], [], []  # per key: tap rows; value (token, code index)
     code_of = {}  # (run, position) -> position code index
@@ -118,6 +120,7 @@ def scripted_head(target, prompts: list[list[int]], n_new: int, mode: str = "ful
     vocab = torch.tensor(sorted(draft_vocab)) if draft_vocab is not None else torch.arange(V)
     dv = vocab.numel()
     nA, nB = len(keys), len(b_keys)
+    H = (hidden or (256 if nA + n_codes <= 300 else 512)) if own_embedding else Ht
     cfg = DraftConfig(hidden_size=H, intermediate_size=max(1, nA + nB), num_attention_heads=2,
                       num_key_value_heads=2, head_dim=H // 2, vocab_size=V, draft_vocab_size=dv,
                       target_hidden_size=Ht, taps=taps, norm_before_residual=norm_before_residual)

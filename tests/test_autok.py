@@ -95,9 +95,11 @@ def target(tmp_path_factory):
     return save_context_target(str(tmp_path_factory.mktemp("autok") / "ctx"))
 
 
-def scripted(t, mode: str):
-    """A head scripted along `t`'s greedy runs of PROMPTS (tests/heads.py), right per `mode`."""
-    return scripted_head(t, PROMPTS, 160, mode)
+def scripted(t, mode: str, prompts=PROMPTS, n: int = 40):
+    """A head scripted along `t`'s greedy runs of `prompts` (tests/heads.py), right per `mode`;
+    kept small (a few runs, width 256) so that its step stays cheap next to the target's, as a
+    real head's is: automatic K weighs the two."""
+    return scripted_head(t, prompts, n, mode)
 
 
 def plain(t, prompt, n):
@@ -136,7 +138,7 @@ def test_auto_times_plain_rounds_once_before_trusting_the_model(target):
     runs EXPLORE_PLAIN plain rounds once per speculator (at its first re-choice) to time them,
     stays lossless, and the next generation trusts the timed model."""
     t = load_target(target)
-    attach_head(head := scripted(t, "full"), t)
+    attach_head(head := scripted(t, "full", PROMPTS[:1], 160), t)
     spec = Eagle3Speculator(t, head)
     spec.costs = flat_cost(1.0, 0.05)
     spec.costs.plain = {1: 50.0}  # misjudged: by the model alone, plain decoding never pays
