@@ -480,6 +480,8 @@ def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path
     empty.write_text("\n")
     fails("yielded no prompts", data=str(empty))
     fails("does not exist", data=str(tmp_path / "missing.jsonl"))
+    fails("--eval-every must be >= 0", eval_every=-1)
+    fails("--eval-tokens must be >= 0", eval_tokens=-5)
     fails(r"must be a JSON object", data=write_jsonl(tmp_path / "list.jsonl", [[1, 2, 3]]))
     fails("expected a 'prompt'", data=write_jsonl(tmp_path / "nokey.jsonl", [{"text": "hi"}]))
     broken = tmp_path / "broken.jsonl"
@@ -569,3 +571,34 @@ def test_regeneration_resumes_from_its_chunks(target_dir, tmp_path, capsys):
     assert "reusing" not in capsys.readouterr().err and len(other) == len(PROMPTS)
     with pytest.raises(Eagle3Error, match="missing"):
         regenerate(target, PROMPTS[::-1], chunk_dir=str(chunks), cached_only=True, **kw)
+
+
+def test_simulated_tau_is_logged_on_held_out_samples(target_dir, tmp_path, monkeypatch):
+    """With 24 samples, 2 (a tenth, whole samples) are held out: never in a training batch,
+    measured every `eval_every` steps and at the end; the report and the plot carry it."""
+    from eagle3.train import trainer
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 160, (8,), generator=g).tolist() for _ in range(24)]
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in prompts])
+    trained = []
+    real = trainer.collate
+    monkeypatch.setattr(trainer, "collate", lambda s: trained.append([x.tokens.tolist() for x in s])
+                        or real(s))
+    report = train_draft(args_for(target_dir, data, tmp_path / "out", batch=4, max_steps=5,
+                                  eval_every=2, eval_tokens=10))
+    samples = trainer.prepare(args_for(target_dir, data, tmp_path / "out"), load_target(target_dir), 0)[0]
+    held = trainer.held_out(samples, 10, 0)
+    assert len(held) == 2 and report["held_out_samples"] == 2 and report["samples"] == 22
+    held_tokens = {tuple(samples[i].tokens.tolist()) for i in held}
+    batches = [b for b in trained if len(b) == 4]  # training's; the evaluations' hold the 2
+    assert len(batches) == 5 and len(trained) == 8
+    assert all(tuple(t) not in held_tokens for b in batches for t in b)
+    assert all(tuple(t) in held_tokens for b in trained if len(b) == 2 for t in b)
+    evals = [r for r in report["log"] if "sim_tau" in r]
+    assert [r["step"] for r in evals] == [2, 4, 5]
+    for r in evals:
+        tau = r["sim_tau"]
+        assert len(tau) == 6 and 1.0 <= tau[0] <= 2.0 and tau == sorted(tau) and tau[-1] <= 7.0
+    assert report["simulated_tau"] == evals[-1]["sim_tau"]
+    assert (tmp_path / "out" / "report.png").is_file()

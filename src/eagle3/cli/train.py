@@ -24,11 +24,15 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         temperature=args.temperature, features=args.features,
         taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
         stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        max_prompt_len=args.max_prompt_len, autocast=args.autocast, init_from=args.init_from))
+        max_prompt_len=args.max_prompt_len, autocast=args.autocast, init_from=args.init_from,
+        eval_every=args.eval_every, eval_tokens=args.eval_tokens))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
+        tau = report.get("simulated_tau")
+        sim = (f"; held-out simulated tau K=1..{len(tau)} [{', '.join(f'{x:.2f}' for x in tau)}]"
+               if tau else "")
         print(f"eagle3: trained {report['steps']} steps; final loss {report['final_loss']:.3f}; "
-              f"top-1 per step [{acc}]; head in {args.out}/head (official) and "
+              f"top-1 per step [{acc}]{sim}; head in {args.out}/head (official) and "
               f"{args.out}/head-speculators")
     return 0
 
@@ -65,6 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from OUT/checkpoint.pt (also after kill -9: every output is "
                         "written atomically, so the result equals an uninterrupted run's)")
     t.add_argument("--ckpt-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=200,
+                   help="every this many steps (and at the end) log the simulated tau of chains of "
+                        "K = 1..6 on held-out samples: the share of rows whose first k drafts are all "
+                        "the target's tokens, from the training-time-test unroll (seconds; 0: off)")
+    t.add_argument("--eval-tokens", type=int, default=20000,
+                   help="response tokens held out of training for it: whole samples, a seeded draw, "
+                        "at most a tenth of them, none below 20 samples (default 20000)")
     t.add_argument("--prompt-len", type=int, default=64,
                    help="prompt length in tokens when cutting prompts from text files")
     t.add_argument("--prompts-per-file", type=int, default=4)

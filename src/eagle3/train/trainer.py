@@ -36,6 +36,7 @@ from ..targets import load_target
 from ..targets.config import RopeConfig
 from ..tokenizer import load_tokenizer
 from .data import Sample, cache_key, collate, read_prompts, regenerate
+from .simulate import chain_hits, simulated_tau
 from .ttt import ttt_loss
 from .vocab import build_draft_vocab
 
@@ -71,6 +72,8 @@ class TrainArgs:
     max_seq_len: int | None = None  # the target's context for regeneration (default: its own)
     taps: tuple[int, ...] | None = None
     init_from: str | None = None  # start from this head's weights and draft vocabulary (new schedule)
+    eval_every: int = 200  # steps between simulated-tau measurements on held-out samples (0: off)
+    eval_tokens: int = 20000  # response tokens held out for them (whole samples, <= 1/10 of them)
     progress: bool = True
 
 
@@ -310,6 +313,9 @@ def train_draft(args: TrainArgs) -> dict:
     for name in ("ttt_steps", "epochs", "batch", "regen_chunk"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("eval_every", "eval_tokens"):
+        if getattr(args, name) < 0:
+            raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0 (0 turns the simulated tau off)")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
     target = load_target(args.target, dtype=args.dtype, max_seq_len=args.max_seq_len)
@@ -334,7 +340,9 @@ def train_draft(args: TrainArgs) -> dict:
     for p in head.embed_tokens.parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    steps_per_epoch = max(1, len(samples) // args.batch)
+    held = held_out(samples, args.eval_tokens, args.seed) if args.eval_every else []
+    train_idx = sorted(set(range(len(samples))) - set(held))  # held-out samples are never trained on
+    steps_per_epoch = max(1, len(train_idx) // args.batch)
     total = min(args.max_steps or 10 ** 12, steps_per_epoch * args.epochs)
     store = None
     if args.features == "offline":  # rank 0 writes the memmaps; the others then open them read-only
@@ -357,7 +365,7 @@ def train_draft(args: TrainArgs) -> dict:
     elif args.resume:
         notice(f"--resume: no checkpoint in {out}; starting fresh")
 
-    lengths = [smp.tokens.numel() for smp in samples]
+    lengths = [samples[i].tokens.numel() for i in train_idx]
     batches: dict[int, list[list[int]]] = {}
     bar = tqdm(total=total, initial=step, desc="train-draft", disable=not (args.progress and rank == 0))
     t0, tokens_done = time.time(), 0
@@ -366,7 +374,7 @@ def train_draft(args: TrainArgs) -> dict:
         epoch, within = divmod(step, steps_per_epoch)
         if epoch not in batches:
             batches = {epoch: epoch_batches(lengths, args.batch, steps_per_epoch, args.seed * 1000 + epoch)}
-        batch_idx = batches[epoch][within][rank::world]
+        batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
         tokens, mask = collate([samples[i] for i in batch_idx])
         if store is None:
             tlogits, ttaps = _target_forward(target, tokens)
@@ -398,8 +406,12 @@ def train_draft(args: TrainArgs) -> dict:
         acc = (correct / counted.clamp_min(1)).tolist()
         log.append({"step": step, "loss": float(loss.detach()),
                     "acc": [round(a, 4) for a in acc], "lr": lr_at(step - 1, total, args)})
-        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc0=f"{acc[0]:.2f}",
-                        accN=f"{acc[-1]:.2f}", tok_s=f"{tokens_done / (time.time() - t0):.0f}")
+        if rank == 0 and held and (step % args.eval_every == 0 or step == total):
+            log[-1]["sim_tau"] = held_out_tau(head, target, samples, held, store, args.batch)
+        tau = next((r["sim_tau"] for r in reversed(log) if "sim_tau" in r), None)
+        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc0=f"{acc[0]:.2f}", accN=f"{acc[-1]:.2f}",
+                        **({"tau3": f"{tau[2]:.2f}"} if tau else {}),
+                        tok_s=f"{tokens_done / (time.time() - t0):.0f}")
         bar.update(1)
         if rank == 0 and (step % args.ckpt_every == 0 or step == stop):
             with atomic_write(ckpt) as f:  # the previous checkpoint stays until this one is whole
@@ -408,7 +420,7 @@ def train_draft(args: TrainArgs) -> dict:
     bar.close()
     report = {}
     if rank == 0:
-        report = finish(head, args, log, ids, samples, out)
+        report = finish(head, args, log, ids, samples, out, held)
     if world > 1:
         torch.distributed.barrier()
     return report
@@ -459,8 +471,40 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
+def held_out(samples: list[Sample], tokens: int, seed: int) -> list[int]:
+    """Whole samples (a seeded draw) holding >= `tokens` response tokens, at most a tenth of
+    them, for the simulated tau; none below 20 samples (too few to spare)."""
+    if tokens <= 0 or len(samples) < 20:
+        return []
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    out, have = [], 0
+    for i in order[:len(samples) // 10]:
+        if have >= tokens:
+            break
+        out.append(i)
+        have += int(samples[i].mask.sum())
+    return sorted(out)
+
+
+SIM_MAX_K = 6
+
+
+def held_out_tau(head: Eagle3Draft, target, samples: list[Sample], held: list[int],
+                 store: FeatureStore | None, batch: int) -> list[float]:
+    """The simulated tau of chains of K = 1..SIM_MAX_K drafts on the held-out samples
+    (`train.simulate`): seconds, not a decode."""
+    hits = rows = torch.zeros(SIM_MAX_K)
+    for i in range(0, len(held), batch):
+        idx = held[i:i + batch]
+        tokens, mask = collate([samples[j] for j in idx])
+        taps = _target_forward(target, tokens)[1] if store is None else store.get(idx, tokens.shape[1])[0]
+        h, r = chain_hits(head, tokens, mask, taps.float(), SIM_MAX_K)
+        hits, rows = hits + h, rows + r
+    return simulated_tau(hits, rows)
+
+
 def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tensor,
-           samples: list[Sample], out: Path) -> dict:
+           samples: list[Sample], out: Path, held: list[int] = ()) -> dict:
     """Save the head (official + speculators), the report JSON and the PNG curves."""
     for name, fmt in (("head", "official"), ("head-speculators", "speculators")):
         with atomic_dir(out / name) as tmp:  # a head directory is whole or absent
@@ -469,7 +513,10 @@ def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tenso
     report = {"steps": len(log), "final_loss": sum(r["loss"] for r in tail) / max(1, len(tail)),
               "final_acc_per_step": [round(sum(r["acc"][i] for r in tail) / len(tail), 4)
                                      for i in range(len(tail[0]["acc"]))] if tail else [],
-              "samples": len(samples), "draft_vocab_size": int(ids.numel()),
+              "samples": len(samples) - len(held), "held_out_samples": len(held),
+              "held_out_tokens": sum(int(samples[i].mask.sum()) for i in held),
+              "simulated_tau": next((r["sim_tau"] for r in reversed(log) if "sim_tau" in r), None),
+              "draft_vocab_size": int(ids.numel()),
               "taps": list(head.config.taps or ()), "args": asdict(args), "log": log}
     with atomic_write(out / "report.json", "w") as f:
         f.write(json.dumps(report, indent=1))
@@ -487,7 +534,9 @@ def plot_report(log: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in log]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    sim = [r for r in log if "sim_tau" in r]
+    fig, axes = plt.subplots(1, 3 if sim else 2, figsize=(16 if sim else 11, 4))
+    a, b = axes[0], axes[1]
     a.plot(steps, [r["loss"] for r in log])
     a.set_xlabel("step")
     a.set_ylabel("TTT loss")
@@ -499,6 +548,14 @@ def plot_report(log: list[dict], path: Path) -> None:
     b.set_ylabel("top-1 agreement with target")
     b.set_title("accuracy per TTT step")
     b.legend(fontsize=7)
+    if sim:  # what chains of K drafts would accept on the held-out samples
+        c = axes[2]
+        for k in range(len(sim[0]["sim_tau"])):
+            c.plot([r["step"] for r in sim], [r["sim_tau"][k] for r in sim], marker=".", label=f"K={k + 1}")
+        c.set_xlabel("step")
+        c.set_ylabel("simulated tau (tokens per round)")
+        c.set_title("held-out simulated tau")
+        c.legend(fontsize=7)
     fig.tight_layout()
     try:
         with atomic_write(path) as f:

@@ -1,0 +1,49 @@
+"""Simulated acceptance: what greedy chains of K drafts would accept, from the head's
+training-time-test unroll on held-out sequences, without decoding.
+
+Under TTT (`ttt.ttt_loss`) step i of row t reads x_{t+1+i}, the token the sequence holds;
+at inference it reads the head's own previous draft. The two are the same while every
+earlier draft was right, the only case in which acceptance depends on step i. So on text
+the target itself produced greedily (regenerated data), the share of rows whose first k
+drafts all equal the next tokens is what a chain accepts at depth k, and a chain of K
+drafts accepts tau(K) = 1 + sum_{k<=K} share_k tokens per round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..draft.model import Eagle3Draft
+from .ttt import ttt_loss
+
+
+@torch.no_grad()
+def chain_hits(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
+               max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits (max_k,), rows (max_k,)) for one batch: rows[k-1] counts the rows whose next k
+    tokens all carry loss (response tokens), hits[k-1] those of them whose first k drafts are
+    all right. tokens (B, T), mask (B, T), taps (B, T, n*Ht): the target's, over `tokens`."""
+    B, T = tokens.shape
+    R = T - 1
+    # The loss needs a target distribution; its value is not used here (a free broadcast view).
+    flat = taps.new_zeros(1, 1, 1).expand(B, T, head.config.draft_vocab_size)
+    _, _, _, logits = ttt_loss(head, tokens, mask, taps, flat, steps=max_k, return_logits=True)
+    drafts = head.to_target_ids(logits.argmax(-1))  # (K, B, R): step i of row t drafts x_{t+2+i}
+    t = torch.arange(R, device=tokens.device)
+    hits, rows = torch.zeros(max_k), torch.zeros(max_k)
+    right = torch.ones(B, R, dtype=torch.bool, device=tokens.device)
+    counted = torch.ones(B, R, dtype=torch.bool, device=tokens.device)
+    for i in range(max_k):
+        at = (t + 2 + i).clamp_max(T - 1)  # (R,)
+        inside = (t + 2 + i < T)[None, :]
+        counted &= inside & mask[:, at]
+        right &= drafts[i] == tokens[:, at]
+        rows[i] = counted.sum()
+        hits[i] = (counted & right).sum()
+    return hits, rows
+
+
+def simulated_tau(hits: torch.Tensor, rows: torch.Tensor) -> list[float]:
+    """[tau(1), .., tau(K)] from summed `chain_hits`: 1 + the shares accepted at depths 1..K."""
+    share = (hits / rows.clamp_min(1)).tolist()
+    return [round(1 + sum(share[:k]), 4) for k in range(1, len(share) + 1)]
