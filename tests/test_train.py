@@ -602,3 +602,29 @@ def test_simulated_tau_is_logged_on_held_out_samples(target_dir, tmp_path, monke
         assert len(tau) == 6 and 1.0 <= tau[0] <= 2.0 and tau == sorted(tau) and tau[-1] <= 7.0
     assert report["simulated_tau"] == evals[-1]["sim_tau"]
     assert (tmp_path / "out" / "report.png").is_file()
+
+
+def test_lm_head_from_the_target_then_frozen_for_a_while(target_dir, data_file, tmp_path):
+    """--lm-head-from-target: the head's lm_head rows are the target's output rows for the draft
+    vocabulary and its final norm the target's; --freeze-lm-head 2 keeps them through steps 1-2,
+    step 3 trains them; the rest of the head trains from step 1."""
+    out = tmp_path / "out"
+    kw = dict(lm_head_from_target=True, freeze_lm_head=2, max_steps=3, epochs=3, ckpt_every=1)
+    train_draft(args_for(target_dir, data_file, out, **kw, stop_after=2))
+    t = load_target(target_dir)
+    head = ckpt_head(out)
+    ids = torch.arange(head["d2t"].numel()) + head["d2t"]
+    assert torch.equal(head["lm_head.weight"], t.lm_head.weight[ids].float())  # frozen through step 2
+    from eagle3.train.trainer import readout_from_target
+
+    fresh = new_head(t, ids, head["d2t"], head["t2d"], (2, 4, 5), 0)
+    readout_from_target(fresh, t, ids)  # (the norm trains from step 1: checked at the start)
+    assert torch.equal(fresh.norm.weight, t.model.norm.weight.float())
+    assert torch.equal(fresh.lm_head.weight, t.lm_head.weight[ids].float())
+    train_draft(args_for(target_dir, data_file, out, **kw, resume=True))
+    after = ckpt_head(out)
+    assert not torch.equal(after["lm_head.weight"], head["lm_head.weight"])  # step 3 trained it
+    assert not torch.equal(head["fc.weight"], after["fc.weight"])
+    with pytest.raises(Eagle3Error, match="choose one"):
+        train_draft(args_for(target_dir, data_file, tmp_path / "o2", lm_head_from_target=True,
+                             init_from=str(out / "head")))

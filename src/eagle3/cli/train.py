@@ -25,7 +25,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         taps=tuple(args.taps) if args.taps else None, progress=not args.quiet,
         stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
         max_prompt_len=args.max_prompt_len, autocast=args.autocast, init_from=args.init_from,
-        eval_every=args.eval_every, eval_tokens=args.eval_tokens))
+        eval_every=args.eval_every, eval_tokens=args.eval_tokens,
+        lm_head_from_target=args.lm_head_from_target, freeze_lm_head=args.freeze_lm_head))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
         tau = report.get("simulated_tau")
@@ -69,6 +70,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from OUT/checkpoint.pt (also after kill -9: every output is "
                         "written atomically, so the result equals an uninterrupted run's)")
     t.add_argument("--ckpt-every", type=int, default=100)
+    t.add_argument("--lm-head-from-target", action="store_true",
+                   help="initialise the head's lm_head from the target's output rows for the draft "
+                        "vocabulary and its final norm from the target's (default: random, std 0.02)")
+    t.add_argument("--freeze-lm-head", type=int, default=0, metavar="STEPS",
+                   help="keep lm_head fixed for the first STEPS steps (its gradient is not computed)")
     t.add_argument("--eval-every", type=int, default=200,
                    help="every this many steps (and at the end) log the simulated tau of chains of "
                         "K = 1..6 on held-out samples: the share of rows whose first k drafts are all "

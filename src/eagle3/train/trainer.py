@@ -72,6 +72,8 @@ class TrainArgs:
     max_seq_len: int | None = None  # the target's context for regeneration (default: its own)
     taps: tuple[int, ...] | None = None
     init_from: str | None = None  # start from this head's weights and draft vocabulary (new schedule)
+    lm_head_from_target: bool = False  # lm_head rows and final norm from the target's own readout
+    freeze_lm_head: int = 0  # keep lm_head fixed for this many first steps (no gradient computed)
     eval_every: int = 200  # steps between simulated-tau measurements on held-out samples (0: off)
     eval_tokens: int = 20000  # response tokens held out for them (whole samples, <= 1/10 of them)
     progress: bool = True
@@ -313,9 +315,11 @@ def train_draft(args: TrainArgs) -> dict:
     for name in ("ttt_steps", "epochs", "batch", "regen_chunk"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("eval_every", "eval_tokens"):
+    if args.lm_head_from_target and args.init_from:
+        raise Eagle3Error("--lm-head-from-target and --init-from both set the head's lm_head; choose one")
+    for name in ("eval_every", "eval_tokens", "freeze_lm_head"):
         if getattr(args, name) < 0:
-            raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0 (0 turns the simulated tau off)")
+            raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
     target = load_target(args.target, dtype=args.dtype, max_seq_len=args.max_seq_len)
@@ -330,6 +334,8 @@ def train_draft(args: TrainArgs) -> dict:
     init = read_init(args.init_from, target.config, args.draft_vocab, taps) if args.init_from else None
     samples, ids, d2t, t2d, key = prepare(args, target, rank)
     head = new_head(target, ids, d2t, t2d, taps, args.seed)
+    if args.lm_head_from_target:
+        readout_from_target(head, target, ids)
     if init is not None:
         ids = start_from(head, init)
         key = hashlib.sha256((key + json.dumps(ids.tolist())).encode()).hexdigest()
@@ -387,6 +393,7 @@ def train_draft(args: TrainArgs) -> dict:
         norm = float(norm.clamp_min(1)) / world
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args)
+        head.lm_head.weight.requires_grad_(step >= args.freeze_lm_head)  # frozen: no grad, no update
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.autocast):
             loss, correct, counted = ttt_loss(head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
                                               norm=norm)
@@ -469,6 +476,21 @@ def load_checkpoint(path: Path) -> dict:
     if not isinstance(state, dict) or not {"head", "opt", "step", "log"} <= state.keys():
         raise Eagle3Error(f"{path} is not a train-draft checkpoint; delete it or drop --resume")
     return state
+
+
+def readout_from_target(head: Eagle3Draft, target, ids: torch.Tensor) -> None:
+    """The head's lm_head rows from the target's own output rows for the draft vocabulary `ids`
+    (SmolLM2 ties them to its embedding) and its final norm from the target's, so that the head
+    starts out reading its hidden state the way the target reads its own."""
+    lm = getattr(target, "lm_head", None)
+    norm = getattr(getattr(target, "model", None), "norm", None)
+    if not isinstance(lm, torch.nn.Linear) or norm is None or not hasattr(norm, "gemma"):
+        raise Eagle3Error("--lm-head-from-target needs a native float target (its lm_head and final "
+                          "norm); load the target with the native backend")
+    with torch.no_grad():
+        head.lm_head.weight.copy_(lm.weight[ids].float())
+        w = norm.weight.float()
+        head.norm.weight.copy_(w + 1.0 if norm.gemma else w)  # the head's norm scales by w alone
 
 
 def held_out(samples: list[Sample], tokens: int, seed: int) -> list[int]:
