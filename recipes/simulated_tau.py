@@ -1,0 +1,77 @@
+"""Simulated tau of a head on a prompt set, to set beside `eagle3 bench`'s measured tau.
+
+The target answers each prompt greedily (through the engine, as `train-draft` regenerates),
+then the head's training-time-test unroll over those answers gives, per depth k, the share
+of rows whose first k drafts are all the target's tokens (`eagle3.train.simulate`): what a
+greedy chain of K drafts accepts, tau(K) = 1 + the shares up to K. This is the number
+`train-draft --eval-every` logs while training; here it runs on any head and prompt set.
+
+    python recipes/simulated_tau.py [--target default] [--head models/default/head]
+        [--prompts sharegpt-heldout|humaneval|FILE] [--limit 32] [--max-new-tokens 128]
+        [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eagle3.cli.bench import read_prompt_records
+    from eagle3.default import default_head_dir
+    from eagle3.draft import attach_head, load_head
+    from eagle3.targets import load_target
+    from eagle3.tokenizer import load_tokenizer
+    from eagle3.train.data import collate, regenerate
+    from eagle3.train.simulate import chain_hits, simulated_tau
+    from eagle3.train.trainer import _target_forward
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--head", default=None, help="head directory (default: the default's head)")
+    ap.add_argument("--prompts", default="sharegpt-heldout")
+    ap.add_argument("--limit", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-k", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+
+    target = load_target(args.target)
+    _, head = load_head(args.head or default_head_dir(), max_len=target.config.max_seq_len)
+    attach_head(head, target)
+    tok = load_tokenizer(args.target)
+    ids = []
+    for _, rec in read_prompt_records(args.prompts, args.limit):
+        if "prompt_ids" in rec:
+            ids.append(list(rec["prompt_ids"]))
+        elif "messages" in rec:
+            ids.append(tok.apply_chat_template(rec["messages"]))
+        else:
+            ids.append(tok.encode(rec["prompt"]))
+    samples = regenerate(target, ids, response_len=args.max_new_tokens,
+                         eos_ids=target.config.eos_token_ids, batch_size=16, progress=True)
+    hits = rows = torch.zeros(args.max_k)
+    with torch.no_grad():
+        for i in range(0, len(samples), args.batch):
+            tokens, mask = collate(samples[i:i + args.batch])
+            _, taps = _target_forward(target, tokens)
+            h, r = chain_hits(head, tokens, mask, taps, args.max_k)
+            hits, rows = hits + h, rows + r
+    out = {"target": args.target, "head": args.head or "default", "prompts": args.prompts,
+           "samples": len(samples), "response_tokens": int(sum(int(s.mask.sum()) for s in samples)),
+           "share_first_k_right": [round(float(h / max(r, 1)), 4) for h, r in zip(hits, rows)],
+           "simulated_tau": simulated_tau(hits, rows)}
+    print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
