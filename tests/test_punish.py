@@ -67,14 +67,19 @@ def outputs(spec, ps, **kw) -> list[list[int]]:
     return [spec.generate(p, N, stop_token_ids=[], **kw).token_ids for p in ps]
 
 
+def setup(ctx: str, seed: int, mode: str):
+    """(target, prompts, their plain outputs, a speculator whose head is scripted per `mode`)."""
+    t = load_target(ctx)
+    ps = prompts(4, seed=seed)
+    plain = outputs(Eagle3Speculator(t), ps)
+    head = scripted_head(t, ps, N, mode)
+    attach_head(head, t)
+    return t, ps, plain, Eagle3Speculator(t, head)
+
+
 @pytest.mark.parametrize("bug", ["rope", "peek", "stale"])
 def test_a_planted_verify_bug_changes_the_output(ctx, bug):
-    t = load_target(ctx)
-    ps = prompts(4, seed=3)
-    plain = outputs(Eagle3Speculator(t), ps)
-    head = scripted_head(t, ps, N, "mixed")
-    attach_head(head, t)
-    spec = Eagle3Speculator(t, head)
+    t, ps, plain, spec = setup(ctx, 3, "mixed")
     assert outputs(spec, ps, num_draft_tokens=3) == plain  # the control: no bug, no difference
     plant(t, bug)
     got = outputs(spec, ps, num_draft_tokens=3)
@@ -84,12 +89,7 @@ def test_a_planted_verify_bug_changes_the_output(ctx, bug):
 def test_an_uncompacted_tree_path_changes_the_output(ctx):
     """A tree round accepting a second child leaves the path's K/V in scattered slots;
     forgetting to move it changes the next rounds' attention."""
-    t = load_target(ctx)
-    ps = prompts(4, seed=5)
-    plain = outputs(Eagle3Speculator(t), ps)
-    head = scripted_head(t, ps, N, "second")
-    attach_head(head, t)
-    spec = Eagle3Speculator(t, head)
+    t, ps, plain, spec = setup(ctx, 5, "second")
     tree = dict(top_k=2, depth=3, total_tokens=6)
     assert outputs(spec, ps, tree=tree) == plain
     t.compact_cache = lambda cache, src, dst: None
@@ -97,12 +97,7 @@ def test_an_uncompacted_tree_path_changes_the_output(ctx):
 
 
 def test_a_planted_bug_in_the_engines_batched_verify_changes_the_output(ctx):
-    t = load_target(ctx)
-    ps = prompts(4, seed=7)
-    plain = outputs(Eagle3Speculator(t), ps)
-    head = scripted_head(t, ps, N, "mixed")
-    attach_head(head, t)
-    spec = Eagle3Speculator(t, head)
+    t, ps, plain, spec = setup(ctx, 7, "mixed")
 
     def engine_outputs():
         engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=3)).start(background=False)
