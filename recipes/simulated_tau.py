@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import collate, regenerate
     from eagle3.train.simulate import chain_hits, simulated_tau
-    from eagle3.train.trainer import _target_forward
+    from eagle3.train.trainer import target_forward
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="default")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for i in range(0, len(samples), args.batch):
             tokens, mask = collate(samples[i:i + args.batch])
-            _, taps = _target_forward(target, tokens)
+            _, taps = target_forward(target, tokens)
             h, r = chain_hits(head, tokens, mask, taps, args.max_k)
             hits, rows = hits + h, rows + r
     out = {"target": args.target, "head": args.head or "default", "prompts": args.prompts,

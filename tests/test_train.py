@@ -29,7 +29,7 @@ from eagle3.draft import attach_head
 from eagle3.targets import load_target
 from eagle3.tokenizer import load_tokenizer
 from eagle3.train.data import collate, load_regenerated
-from eagle3.train.trainer import TrainArgs, _target_forward, new_head, prepare, train_draft
+from eagle3.train.trainer import TrainArgs, new_head, prepare, target_forward, train_draft
 from eagle3.train.ttt import ttt_loss
 from eagle3.train.vocab import build_draft_vocab
 
@@ -100,7 +100,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
     B, T, steps = 2, 12, 4
     tokens = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) < 0.7
-    tlogits, taps = _target_forward(target, tokens)
+    tlogits, taps = target_forward(target, tokens)
     with torch.no_grad():
         loss, correct, counted, logits = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps,
                                                   return_logits=True)
@@ -139,7 +139,7 @@ def test_one_step_lowers_the_loss(target_dir, data_file, tmp_path):
     target = load_target(target_dir)
     samples, ids, d2t, t2d, _ = prepare(args, target, 0)
     tokens, mask = collate(samples)
-    tlogits, taps = _target_forward(target, tokens)
+    tlogits, taps = target_forward(target, tokens)
 
     def loss_of(head):
         attach_head(head, target)
@@ -203,7 +203,7 @@ def test_overfit_head_reaches_its_training_accuracy_at_inference(target_dir, dat
     stop = set(spec.target.config.eos_token_ids)
     regenerated = load_regenerated(str(out / "data"))
     tokens, mask = collate(regenerated)
-    tlogits, taps = _target_forward(spec.target, tokens)
+    tlogits, taps = target_forward(spec.target, tokens)
     with torch.no_grad():
         _, correct, counted, logits = ttt_loss(spec.draft, tokens, mask, taps, tlogits, steps=K,
                                                return_logits=True)

@@ -143,7 +143,7 @@ class FeatureStore:
         for s in tqdm(range(0, len(samples), batch), desc="caching target features", disable=not progress):
             chunk = samples[s:s + batch]
             tokens, _ = collate(chunk)
-            logits, taps = _target_forward(target, tokens)
+            logits, taps = target_forward(target, tokens)
             for j, smp in enumerate(chunk):
                 a, L = self.offsets[s + j], smp.tokens.numel()
                 self.taps[a:a + L] = taps[j, :L].numpy()
@@ -230,7 +230,8 @@ def output_bytes(tc, draft_vocab: int) -> int:
 
 
 @torch.no_grad()
-def _target_forward(target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward(target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over `tokens` (B, T) from a fresh cache: (logits, taps), float32."""
     B, T = tokens.shape
     cache = target.new_cache(B, T)
     logits, taps = target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T)
@@ -383,7 +384,7 @@ def train_draft(args: TrainArgs) -> dict:
         batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
         tokens, mask = collate([samples[i] for i in batch_idx])
         if store is None:
-            tlogits, ttaps = _target_forward(target, tokens)
+            tlogits, ttaps = target_forward(target, tokens)
         else:
             ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
         # One normaliser for the global batch, so data-parallel ranks add up exactly.
@@ -519,7 +520,7 @@ def held_out_tau(head: Eagle3Draft, target, samples: list[Sample], held: list[in
     for i in range(0, len(held), batch):
         idx = held[i:i + batch]
         tokens, mask = collate([samples[j] for j in idx])
-        taps = _target_forward(target, tokens)[1] if store is None else store.get(idx, tokens.shape[1])[0]
+        taps = target_forward(target, tokens)[1] if store is None else store.get(idx, tokens.shape[1])[0]
         h, r = chain_hits(head, tokens, mask, taps.float(), SIM_MAX_K)
         hits, rows = hits + h, rows + r
     return simulated_tau(hits, rows)
