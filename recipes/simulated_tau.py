@@ -4,7 +4,9 @@ The target answers each prompt greedily (through the engine, as `train-draft` re
 then the head's training-time-test unroll over those answers gives, per depth k, the share
 of rows whose first k drafts are all the target's tokens (`eagle3.train.simulate`): what a
 greedy chain of K drafts accepts, tau(K) = 1 + the shares up to K. This is the number
-`train-draft --eval-every` logs while training; here it runs on any head and prompt set.
+`train-draft --eval-every` logs while training; here it runs on any head and prompt set. It
+also reports the draft vocabulary's coverage: the share of the answers' tokens the head can
+draft at all.
 
     python recipes/simulated_tau.py [--target default] [--head models/default/head]
         [--prompts sharegpt-heldout|humaneval|FILE] [--limit 32] [--max-new-tokens 128]
@@ -62,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             _, taps = target_forward(target, tokens)
             h, r = chain_hits(head, tokens, mask, taps, args.max_k)
             hits, rows = hits + h, rows + r
+    answers = torch.cat([s.tokens[s.mask] for s in samples])  # the target's response tokens
     out = {"target": args.target, "head": args.head or "default", "prompts": args.prompts,
-           "samples": len(samples), "response_tokens": int(sum(int(s.mask.sum()) for s in samples)),
+           "samples": len(samples), "response_tokens": int(answers.numel()),
+           # the share of them the head can draft at all (its draft vocabulary)
+           "draft_vocab_size": head.config.draft_vocab_size,
+           "draft_vocab_coverage": round(float(head.t2d[answers].float().mean()), 4),
            "share_first_k_right": [round(float(h / max(r, 1)), 4) for h, r in zip(hits, rows)],
            "simulated_tau": simulated_tau(hits, rows)}
     print(json.dumps(out))
