@@ -60,6 +60,13 @@ def save_context_target(path: str, name: str = "llama", eps: float | None = None
     return path
 
 
+def random_prompts(n: int, seed: int, vocab: int = 160, low: int = 2, high: int = 16) -> list[list[int]]:
+    """n seeded prompts of low..high-1 tokens drawn from 1..vocab-1."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(low, high, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 @torch.no_grad()
 def greedy_runs(target, prompts: list[list[int]], n_new: int) -> list[list[int]]:
     """Each prompt followed by `n_new` greedy tokens (fewer where the target's `max_seq_len` ends

@@ -17,20 +17,15 @@ import eagle3
 from eagle3.draft import attach_head
 from eagle3.engine import Engine, EngineConfig
 from eagle3.speculator import Eagle3Speculator
+from heads import random_prompts as prompts
 from heads import save_context_target, scripted_head
 
-V, N = 160, 28
+N = 28
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     return save_context_target(str(tmp_path_factory.mktemp("oracles") / "ctx"))
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, V, (int(torch.randint(2, 16, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 @torch.no_grad()

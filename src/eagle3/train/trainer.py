@@ -376,6 +376,7 @@ def train_draft(args: TrainArgs) -> dict:
     batches: dict[int, list[list[int]]] = {}
     bar = tqdm(total=total, initial=step, desc="train-draft", disable=not (args.progress and rank == 0))
     t0, tokens_done = time.time(), 0
+    tau = last_sim_tau(log)  # the latest simulated tau (a resumed log's too), for the progress bar
     stop = min(total, args.stop_after) if args.stop_after is not None else total
     while step < stop:
         epoch, within = divmod(step, steps_per_epoch)
@@ -415,8 +416,7 @@ def train_draft(args: TrainArgs) -> dict:
         log.append({"step": step, "loss": float(loss.detach()),
                     "acc": [round(a, 4) for a in acc], "lr": lr_at(step - 1, total, args)})
         if rank == 0 and held and (step % args.eval_every == 0 or step == total):
-            log[-1]["sim_tau"] = held_out_tau(head, target, samples, held, store, args.batch)
-        tau = next((r["sim_tau"] for r in reversed(log) if "sim_tau" in r), None)
+            tau = log[-1]["sim_tau"] = held_out_tau(head, target, samples, held, store, args.batch)
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc0=f"{acc[0]:.2f}", accN=f"{acc[-1]:.2f}",
                         **({"tau3": f"{tau[2]:.2f}"} if tau else {}),
                         tok_s=f"{tokens_done / (time.time() - t0):.0f}")
@@ -512,6 +512,10 @@ def held_out(samples: list[Sample], tokens: int, seed: int) -> list[int]:
 SIM_MAX_K = 6
 
 
+def last_sim_tau(log: list[dict]) -> list[float] | None:
+    return next((r["sim_tau"] for r in reversed(log) if "sim_tau" in r), None)
+
+
 def held_out_tau(head: Eagle3Draft, target, samples: list[Sample], held: list[int],
                  store: FeatureStore | None, batch: int) -> list[float]:
     """The simulated tau of chains of K = 1..SIM_MAX_K drafts on the held-out samples
@@ -538,7 +542,7 @@ def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tenso
                                      for i in range(len(tail[0]["acc"]))] if tail else [],
               "samples": len(samples) - len(held), "held_out_samples": len(held),
               "held_out_tokens": sum(int(samples[i].mask.sum()) for i in held),
-              "simulated_tau": next((r["sim_tau"] for r in reversed(log) if "sim_tau" in r), None),
+              "simulated_tau": last_sim_tau(log),
               "draft_vocab_size": int(ids.numel()),
               "taps": list(head.config.taps or ()), "args": asdict(args), "log": log}
     with atomic_write(out / "report.json", "w") as f:
