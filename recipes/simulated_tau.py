@@ -23,6 +23,8 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from eagle3.cli.bench import read_prompt_records
     from eagle3.default import default_head_dir
     from eagle3.draft import attach_head, load_head
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-k", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--cache", default=None,
+                    help="keep the target's answers in this directory and reuse them on the next run")
     args = ap.parse_args(argv)
+    if args.cache:
+        os.makedirs(args.cache, exist_ok=True)
 
     target = load_target(args.target)
     _, head = load_head(args.head or default_head_dir(), max_len=target.config.max_seq_len)
@@ -55,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             ids.append(tok.apply_chat_template(rec["messages"]))
         else:
             ids.append(tok.encode(rec["prompt"]))
-    samples = regenerate(target, ids, response_len=args.max_new_tokens,
+    key = json.dumps([args.target, args.max_new_tokens])
+    samples = regenerate(target, ids, response_len=args.max_new_tokens, chunk_dir=args.cache, key=key,
                          eos_ids=target.config.eos_token_ids, batch_size=16, progress=True)
     hits = rows = torch.zeros(args.max_k)
     with torch.no_grad():

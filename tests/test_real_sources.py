@@ -55,6 +55,32 @@ def test_sharegpt_split_is_fixed_by_id_and_disjoint(tmp_path):
     assert held[0]["messages"] == [{"role": "user", "content": f"question {held[0]['id'][1:]}"}]
 
 
+def test_every_user_turn_is_a_prompt_up_to_the_first_broken_turn(tmp_path):
+    turns = lambda *pairs: [{"from": f, "value": v} for f, v in pairs]
+    recs = [{"id": "a", "conversations": turns(("human", "q1"), ("gpt", "a1"), ("human", "q2"),
+                                                ("chatgpt", "a2"), ("human", "q3"))},
+            {"id": "b", "conversations": turns(("human", "q1"), ("gpt", "a1"), ("gpt", "again"),
+                                                ("human", "q2"))},  # a repeated role ends it
+            {"id": "c", "conversations": turns(("human", "q1"), ("gpt", " "), ("human", "q2"))},
+            {"id": "d", "conversations": turns(("system", "s"), ("human", "q1"))},
+            {"id": "e", "conversations": []}]
+    u, a = (lambda t: {"role": "user", "content": t}), (lambda t: {"role": "assistant", "content": t})
+    assert sharegpt.user_turns(recs[0]) == [[u("q1")], [u("q1"), a("a1"), u("q2")],
+                                            [u("q1"), a("a1"), u("q2"), a("a2"), u("q3")]]
+    assert sharegpt.user_turns(recs[1]) == [[u("q1")]]
+    assert sharegpt.user_turns(recs[2]) == [[u("q1")]]
+    assert sharegpt.user_turns(recs[3]) == sharegpt.user_turns(recs[4]) == []
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(recs + [_conv(i) for i in range(300)]))
+    rows = sharegpt.sharegpt_turns("train", path=str(path), quiet=True)
+    held = {r["id"] for r in sharegpt.sharegpt_prompts("heldout", path=str(path), quiet=True)}
+    assert held and not held & {r["id"] for r in rows}
+    # Turn 0 of each conversation is the first-turn prompt `sharegpt_prompts` gives.
+    first = {r["id"]: r["messages"] for r in sharegpt.sharegpt_prompts("train", path=str(path), quiet=True)}
+    assert {r["id"]: r["messages"] for r in rows if r["turn"] == 0} == first
+    assert [r["turn"] for r in rows if r["id"] == "a"] == [0, 1, 2]
+
+
 def test_packaged_sharegpt_and_humaneval_sets():
     recs = sharegpt.read_sharegpt(quiet=True)
     assert len(recs) == 17671  # the packaged file's complete records before its cut

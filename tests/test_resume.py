@@ -143,9 +143,11 @@ def test_online_run_killed_in_regeneration_training_and_saving_equals_the_uninte
 @pytest.mark.slow
 def test_offline_features_run_killed_in_capture_and_training_equals_the_uninterrupted_run(
         target, tmp_path):
+    """With the campaign's settings: a top-k store and a constant learning rate."""
     ref, out = tmp_path / "ref", tmp_path / "out"
-    run(command(target, ref, "--features", "offline"))
-    cmd = command(target, out, "--features", "offline")
+    extra = ("--features", "offline", "--store-topk", "16", "--schedule", "constant")
+    run(command(target, ref, *extra))
+    cmd = command(target, out, *extra)
     # During the feature capture: the memmaps exist; the completion marker comes last.
     kill_when(cmd, lambda: (out / "data" / "logits.npy").is_file(), "during feature capture")
     if not (out / "data" / "features.json").exists():  # killed before the capture completed

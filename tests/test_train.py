@@ -107,6 +107,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
         assert logits.shape == (steps, B, T - 1, 100)
         feats = head.fuse(taps)
         expect_loss, expect_correct, expect_counted = 0.0, torch.zeros(steps), torch.zeros(steps)
+        expect_hard, outside = 0.0, 0
         for b in range(B):
             for t in range(T - 1):
                 cache = head.new_cache(1, T + steps)
@@ -126,11 +127,20 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
                         p = torch.softmax(tlogits[b, t + 1 + i, ids], -1)
                         logq = torch.log_softmax(step_logits, -1)
                         expect_loss += 0.8 ** i * float(-(p * logq).sum())
+                        nxt = int(tokens[b, t + 2 + i])  # --hard-loss's label: the next token itself
+                        if t2d[nxt]:
+                            expect_hard += 0.8 ** i * float(-logq[int((ids == nxt).nonzero())])
+                        else:  # outside the draft vocabulary: no hard term
+                            outside += 1
                         expect_correct[i] += float(logq.argmax() == p.argmax())
                         expect_counted[i] += 1
     norm = float(mask[:, 2:].sum())
     assert float(loss) == pytest.approx(expect_loss / norm, rel=1e-5)
     assert torch.equal(counted, expect_counted) and torch.equal(correct, expect_correct)
+    assert outside > 0
+    with torch.no_grad():
+        mixed = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps, hard=0.25)[0]
+    assert float(mixed) == pytest.approx((0.75 * expect_loss + 0.25 * expect_hard) / norm, rel=1e-5)
 
 
 def test_one_step_lowers_the_loss(target_dir, data_file, tmp_path):
@@ -444,6 +454,51 @@ def test_offline_features_give_the_online_loss(target_dir, data_file, tmp_path):
     assert offline["log"][0]["acc"] == pytest.approx(online["log"][0]["acc"], abs=0.05)
 
 
+def test_topk_store_keeps_the_largest_logits_and_a_fifth_of_the_bytes(target_dir, data_file, tmp_path):
+    """--store-topk K: each token's K largest draft-vocab logits are those of the full store
+    (same values, same places), every other logit is -inf; training on it runs, and its first
+    loss is the full store's within the mass the top K leave out."""
+    from eagle3.train.trainer import FeatureStore, store_marker
+
+    full = train_draft(args_for(target_dir, data_file, tmp_path / "full", features="offline"))
+    top = train_draft(args_for(target_dir, data_file, tmp_path / "top", features="offline", store_topk=8))
+    target = load_target(target_dir)
+    samples, ids, _, _, key = prepare(args_for(target_dir, data_file, tmp_path / "full"), target, 0)
+    a = FeatureStore(tmp_path / "full" / "data", target, samples, ids, key, 6, False)
+    b = FeatureStore(tmp_path / "top" / "data", target, samples, ids, key, 6, False, topk=8)
+    T = max(s.tokens.numel() for s in samples)
+    (ta, la), (tb, lb) = a.get(list(range(len(samples))), T), b.get(list(range(len(samples))), T)
+    assert torch.equal(ta, tb)
+    for j, s in enumerate(samples):
+        L = s.tokens.numel()
+        kept = torch.isfinite(lb[j, :L])
+        assert (kept.sum(-1) == 8).all()
+        assert torch.equal(lb[j, :L][kept], la[j, :L][kept])
+        # every kept logit is >= every dropped one
+        assert (la[j, :L].masked_fill(kept, -1e9).max(-1).values
+                <= la[j, :L].masked_fill(~kept, 1e9).min(-1).values).all()
+    marker = json.loads((tmp_path / "top" / "data" / "features.json").read_text())
+    assert marker["files"][2] == "logit_ids.npy"
+    assert top["log"][0]["acc"] == full["log"][0]["acc"]  # same argmax
+    assert top["log"][0]["loss"] == pytest.approx(full["log"][0]["loss"], rel=0.2)
+    # Bytes: 8192-token draft vocabulary, 3 taps of 576, k = 64.
+    size = lambda k: store_marker("", 1000, 3 * 576, 8192, k)["bytes"]
+    assert size(0) / size(64) > 5
+    with pytest.raises(Eagle3Error, match="--store-topk applies to the offline"):
+        train_draft(args_for(target_dir, data_file, tmp_path / "x", store_topk=8))
+
+
+def test_learning_rate_schedules():
+    from eagle3.train.trainer import lr_at
+
+    a = lambda schedule: TrainArgs(target="", data="", out="", lr=1.0, warmup=4, schedule=schedule)
+    for s in ("cosine", "constant", "linear"):
+        assert [lr_at(i, 104, a(s)) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_at(i, 104, a("constant")) for i in (4, 50, 103, 500)] == [1.0] * 4
+    assert [lr_at(i, 104, a("linear")) for i in (4, 29, 54, 104)] == [1.0, 0.75, 0.5, 0.0]
+    assert [round(lr_at(i, 104, a("cosine")), 6) for i in (4, 54, 104)] == [1.0, 0.5, 0.0]
+
+
 def test_init_from_continues_a_head_with_its_vocabulary(target_dir, data_file, tmp_path):
     first = args_for(target_dir, data_file, tmp_path / "a", draft_vocab=120, max_steps=3, lr=3e-3)
     train_draft(first)
@@ -505,6 +560,9 @@ def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path
     fails("--draft-vocab 161 must be in 1..160", draft_vocab=V + 1)
     fails("--ttt-steps must be >= 1", ttt_steps=0)
     fails("--features must be", features="both")
+    fails("--schedule must be one of cosine, constant, linear", schedule="step")
+    fails("--hard-loss 1.5 must be in 0..1", hard_loss=1.5)
+    fails("--store-topk must be >= 0", store_topk=-1, features="offline")
 
 
 def test_cli_bad_input_exits_2_without_traceback(target_dir, data_file, tmp_path):
@@ -562,6 +620,9 @@ def test_regeneration_resumes_from_its_chunks(target_dir, tmp_path, capsys):
     (chunks / "regen-00001.pt.tmp123").write_bytes(b"partial")
     again = regenerate(target, PROMPTS, chunk_dir=str(chunks), **kw)
     assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in first]
+    assert all(s.tokens.dtype == torch.long for s in again + load_regenerated(str(chunks)))
+    stored = torch.load(chunks / "regen-00000.pt", weights_only=True)["tokens"]
+    assert {t.dtype for t in stored} == {torch.int32}  # half the bytes: a campaign commits them
     assert (chunks / "regen-00000.pt").stat().st_mtime_ns == mtimes["regen-00000.pt"]
     assert (chunks / "regen-00002.pt").stat().st_mtime_ns == mtimes["regen-00002.pt"]
     capsys.readouterr()

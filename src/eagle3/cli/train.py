@@ -17,6 +17,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     report = train_draft(TrainArgs(
         target=args.target, data=args.data, out=args.out, draft_vocab=args.draft_vocab,
         ttt_steps=args.ttt_steps, epochs=args.epochs, max_steps=args.max_steps, lr=args.lr,
+        schedule=args.schedule, store_topk=args.store_topk, hard_loss=args.hard_loss,
         batch=args.batch, warmup=args.warmup, grad_clip=args.grad_clip, seed=args.seed,
         resume=args.resume, ckpt_every=args.ckpt_every, prompt_len=args.prompt_len,
         response_len=args.response_len, prompts_per_file=args.prompts_per_file,
@@ -63,7 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "same schedule)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
-    t.add_argument("--warmup", type=int, default=50, help="linear warmup steps before cosine decay")
+    t.add_argument("--warmup", type=int, default=50, help="linear warmup steps before --schedule")
+    t.add_argument("--schedule", choices=("cosine", "constant", "linear"), default="cosine",
+                   help="the learning rate after warmup: cosine decay to 0 at the last step "
+                        "(default), constant (a main run that can always be extended), or linear "
+                        "decay to 0 (a short cool-down run --init-from a constant run's head)")
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true",
@@ -94,6 +99,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="regenerate by sampling at this temperature (default 0: greedy)")
     t.add_argument("--features", choices=("online", "offline"), default="online",
                    help="capture target taps per step (online) or once into memory-mapped files")
+    t.add_argument("--hard-loss", type=float, default=0.0, metavar="W",
+                   help="share of the loss that is the plain cross-entropy to the token the "
+                        "sequence holds (on greedily regenerated data: the target's own greedy pick) "
+                        "instead of the soft cross-entropy to its distribution; rows whose token is "
+                        "outside the draft vocabulary keep only the soft part (default 0)")
+    t.add_argument("--store-topk", type=int, default=0, metavar="K",
+                   help="--features offline: keep only each token's K largest draft-vocab logits "
+                        "(the loss then targets the renormalised top-K distribution; K = 64 stores "
+                        "~5x fewer bytes for an 8k draft vocabulary); 0 keeps all (default)")
     t.add_argument("--init-from", default=None, metavar="HEAD",
                    help="start from this head's weights and draft vocabulary (a head directory this "
                         "target's training wrote) with a new schedule, e.g. to train a head further "

@@ -206,7 +206,7 @@ def load_regenerated(chunk_dir: str) -> list[Sample]:
     out = []
     for name in sorted(f for f in os.listdir(chunk_dir) if f.startswith("regen-") and f.endswith(".pt")):
         blob = torch.load(os.path.join(chunk_dir, name), weights_only=True)
-        out.extend(Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"]))
+        out.extend(Sample(t.long(), m) for t, m in zip(blob["tokens"], blob["masks"]))
     return out
 
 
@@ -248,12 +248,13 @@ def _load_chunk(path: str, key: str) -> list[Sample] | None:
         return None
     if blob.get("key") != key:
         return None
-    return [Sample(t, m) for t, m in zip(blob["tokens"], blob["masks"])]
+    return [Sample(t.long(), m) for t, m in zip(blob["tokens"], blob["masks"])]
 
 
 def _save_chunk(path: str, key: str, samples: list[Sample]) -> None:
     with atomic_write(path) as f:  # temp file, fsync, rename: a kill never leaves a torn chunk
-        torch.save({"key": key, "tokens": [s.tokens for s in samples],
+        # int32 ids: half the bytes of int64, so a campaign's chunks can be committed
+        torch.save({"key": key, "tokens": [s.tokens.to(torch.int32) for s in samples],
                     "masks": [s.mask for s in samples]}, f)
 
 

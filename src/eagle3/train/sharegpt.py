@@ -90,6 +90,40 @@ def first_turn(rec: dict) -> list[dict] | None:
     return None
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "assistant": "assistant"}
+
+
+def user_turns(rec: dict) -> list[list[dict]]:
+    """The conversation up to and including each of its user turns, as chat messages (the
+    earlier assistant replies as ShareGPT holds them): one prompt per user turn, in order. The
+    conversation is read up to its first turn that is not a non-empty user / assistant message
+    alternating with the one before (a system turn, a repeated role, an empty text)."""
+    out, msgs = [], []
+    for turn in rec.get("conversations") or []:
+        if not isinstance(turn, dict):
+            break
+        role, text = ROLES.get(turn.get("from")), turn.get("value")
+        want = "user" if not msgs or msgs[-1]["role"] == "assistant" else "assistant"
+        if role != want or not isinstance(text, str) or not text.strip():
+            break
+        msgs.append({"role": role, "content": text})
+        if role == "user":
+            out.append(list(msgs))
+    return out
+
+
+def sharegpt_turns(split: str, *, path: str | None = None, quiet: bool = False) -> list[dict]:
+    """{id, turn, messages} for every user turn of `split`'s conversations, in file order
+    (turn 0 is `sharegpt_prompts`' first turn)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(split)
+    return [{"id": str(rec["id"]), "turn": i, "messages": msgs}
+            for rec in read_sharegpt(path, quiet=quiet)
+            if rec.get("id") is not None and is_heldout(rec["id"]) == (split == "heldout")
+            for i, msgs in enumerate(user_turns(rec))]
+
+
 def sharegpt_prompts(split: str, *, limit: int | None = None, path: str | None = None,
                      quiet: bool = False) -> list[dict]:
     """{id, messages} for `split` ('train' or 'heldout'), in file order, first user turns only."""

@@ -52,6 +52,8 @@ class TrainArgs:
     max_steps: int | None = None
     stop_after: int | None = None  # end (with a checkpoint) after this step; the schedule still spans the run
     lr: float = 1e-3
+    schedule: str = "cosine"  # after warmup: cosine (to 0) | constant | linear (to 0: a cool-down)
+    hard_loss: float = 0.0  # share of the loss on the sequence's own next token (see ttt_loss)
     batch: int = 16
     warmup: int = 50
     grad_clip: float = 0.5
@@ -67,6 +69,7 @@ class TrainArgs:
     regen_chunk: int = 256  # prompts per cached regeneration chunk (a kill loses at most one)
     temperature: float = 0.0
     features: str = "online"  # online | offline
+    store_topk: int = 0  # offline store: keep the target's top-k draft-vocab logits per token (0: all)
     autocast: bool = False  # bf16 autocast for the head's forward/backward (fp32 master weights)
     dtype: str | None = None  # the target's dtype for regeneration and features (e.g. bfloat16)
     max_seq_len: int | None = None  # the target's context for regeneration (default: its own)
@@ -122,21 +125,26 @@ def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, ta
 class FeatureStore:
     """Target taps and draft-vocab logits for every sample, computed once into .npy memmaps.
 
+    With `topk`, only each token's k largest draft-vocab logits are kept (values and their
+    draft ids): `get` rebuilds the logits with -inf elsewhere, so the loss's target distribution
+    is the top-k one renormalised and its argmax is unchanged (a fifth of the bytes at k = 64).
     `features.json` marks a complete store (the key and the shapes); it is removed before a
     capture starts and written atomically after the memmaps are flushed and fsynced, so a
     store that a kill interrupted is never trusted: the next run captures it again."""
 
     def __init__(self, root: Path, target, samples: list[Sample], ids: torch.Tensor, key: str,
-                 batch: int, progress: bool) -> None:
+                 batch: int, progress: bool, topk: int = 0) -> None:
         from tqdm import tqdm
 
         self.lengths = [s.tokens.numel() for s in samples]
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.vocab = int(ids.numel())
+        self.topk = topk if 0 < topk < self.vocab else 0
         n = int(self.offsets[-1])
-        width = len(target.tap_layers) * target.config.hidden_size
+        marker = store_marker(key, n, len(target.tap_layers) * target.config.hidden_size, self.vocab,
+                              self.topk)
         meta = root / "features.json"
-        files = (root / "taps.npy", root / "logits.npy")
-        marker = {"key": key, "dtype": "float16", "shapes": [[n, width], [n, int(ids.numel())]]}
+        files = [root / name for name in marker["files"]]
         if self._open_complete(meta, marker, files):
             return
         self._create(meta, marker, files)
@@ -144,12 +152,19 @@ class FeatureStore:
             chunk = samples[s:s + batch]
             tokens, _ = collate(chunk)
             logits, taps = target_forward(target, tokens)
+            logits = logits[..., ids]  # (B, T, dv)
+            if self.topk:
+                top = logits.topk(self.topk, dim=-1)
             for j, smp in enumerate(chunk):
                 a, L = self.offsets[s + j], smp.tokens.numel()
-                self.taps[a:a + L] = taps[j, :L].numpy()
-                self.logits[a:a + L] = logits[j, :L][..., ids].numpy()
+                self.arrays[0][a:a + L] = taps[j, :L].numpy()
+                if self.topk:
+                    self.arrays[1][a:a + L] = top.values[j, :L].numpy()
+                    self.arrays[2][a:a + L] = top.indices[j, :L].numpy()
+                else:
+                    self.arrays[1][a:a + L] = logits[j, :L].numpy()
         try:
-            for arr, path in zip((self.taps, self.logits), files):
+            for arr, path in zip(self.arrays, files):
                 arr.flush()
                 fsync_file(str(path))
         except OSError as e:
@@ -157,7 +172,7 @@ class FeatureStore:
         with atomic_write(meta, "w") as f:  # last: the store is complete
             json.dump(marker, f)
 
-    def _open_complete(self, meta: Path, marker: dict, files: tuple[Path, Path]) -> bool:
+    def _open_complete(self, meta: Path, marker: dict, files: list[Path]) -> bool:
         """Open a complete store with this key and these shapes read-only; False if there is none."""
         try:
             if json.loads(meta.read_text()) != marker:
@@ -165,35 +180,55 @@ class FeatureStore:
             arrays = [np.lib.format.open_memmap(f, mode="r") for f in files]
         except (OSError, ValueError):  # missing, torn or foreign: captured again
             return False
-        if [list(a.shape) for a in arrays] != marker["shapes"] or any(a.dtype != np.float16 for a in arrays):
+        if ([list(a.shape) for a in arrays] != marker["shapes"]
+                or [a.dtype.name for a in arrays] != marker["dtypes"]):
             return False
-        self.taps, self.logits = arrays
+        self.arrays = arrays
         return True
 
-    def _create(self, meta: Path, marker: dict, files: tuple[Path, Path]) -> None:
+    def _create(self, meta: Path, marker: dict, files: list[Path]) -> None:
         """Empty memmaps with their disk space reserved up front (a full disk fails here with a
         clear error, not later as a crash on a write to a sparse mapping)."""
-        need = sum(2 * r * c for r, c in marker["shapes"]) - sum(f.stat().st_size for f in files
-                                                                 if f.is_file())
+        need = marker["bytes"] - sum(f.stat().st_size for f in files if f.is_file())
         check_writable(meta.parent, need_bytes=max(0, need), what="the feature store in")
         try:
             meta.unlink(missing_ok=True)  # first: a store being rewritten is never trusted
-            arrays = [np.lib.format.open_memmap(f, mode="w+", dtype=np.float16, shape=tuple(shape))
-                      for f, shape in zip(files, marker["shapes"])]
+            arrays = [np.lib.format.open_memmap(f, mode="w+", dtype=np.dtype(dt), shape=tuple(shape))
+                      for f, shape, dt in zip(files, marker["shapes"], marker["dtypes"])]
             for f in files:
                 _reserve(f)
         except OSError as e:
             raise write_error(str(meta.parent), e) from None
-        self.taps, self.logits = arrays
+        self.arrays = arrays
 
     def get(self, index: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        taps = torch.zeros(len(index), T, self.taps.shape[1])
-        logits = torch.zeros(len(index), T, self.logits.shape[1])
+        """(taps (B, T, n*Ht), draft-vocab logits (B, T, dv)) of samples `index`, zero-padded."""
+        taps = torch.zeros(len(index), T, self.arrays[0].shape[1])
+        logits = torch.zeros(len(index), T, self.vocab)
         for j, i in enumerate(index):
             a, L = self.offsets[i], self.lengths[i]
-            taps[j, :L] = torch.from_numpy(self.taps[a:a + L].astype(np.float32))
-            logits[j, :L] = torch.from_numpy(self.logits[a:a + L].astype(np.float32))
+            taps[j, :L] = torch.from_numpy(self.arrays[0][a:a + L].astype(np.float32))
+            values = torch.from_numpy(self.arrays[1][a:a + L].astype(np.float32))
+            if self.topk:
+                rows = logits.new_full((L, self.vocab), float("-inf"))
+                logits[j, :L] = rows.scatter_(1, torch.from_numpy(self.arrays[2][a:a + L].astype(np.int64)),
+                                              values)
+            else:
+                logits[j, :L] = values
         return taps, logits
+
+
+def store_marker(key: str, n: int, width: int, vocab: int, topk: int) -> dict:
+    """A feature store's description: its files, shapes, dtypes and bytes (what `features.json`
+    holds once the store is complete)."""
+    if topk:
+        ids = "int16" if vocab <= 2 ** 15 else "int32"
+        files, shapes, dtypes = (["taps.npy", "logits.npy", "logit_ids.npy"],
+                                 [[n, width], [n, topk], [n, topk]], ["float16", "float16", ids])
+    else:
+        files, shapes, dtypes = ["taps.npy", "logits.npy"], [[n, width], [n, vocab]], ["float16", "float16"]
+    size = sum(r * c * np.dtype(d).itemsize for (r, c), d in zip(shapes, dtypes))
+    return {"key": key, "files": files, "shapes": shapes, "dtypes": dtypes, "bytes": int(size)}
 
 
 def _reserve(path: Path) -> None:
@@ -255,10 +290,19 @@ def epoch_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list
     return out
 
 
+SCHEDULES = ("cosine", "constant", "linear")
+
+
 def lr_at(step: int, total: int, args: TrainArgs) -> float:
+    """Linear warmup, then `args.schedule`: cosine or linear decay to 0 at `total`, or constant
+    (a main run that can always be extended; a short `linear` run from its head cools it down)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     frac = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
+    if args.schedule == "constant":
+        return args.lr
+    if args.schedule == "linear":
+        return args.lr * (1 - frac)
     return args.lr * 0.5 * (1 + math.cos(math.pi * frac))
 
 
@@ -275,11 +319,11 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
                            vocab_size=target.config.vocab_size, max_prompt_len=args.max_prompt_len)
     if args.features == "offline" and rank == 0:  # the store's largest size, before regenerating
         tokens = sum(len(p) for p in prompts) + len(prompts) * args.response_len
-        width = len(target.tap_layers) * target.config.hidden_size + args.draft_vocab
-        have = sum(f.stat().st_size for f in (out / "data" / "taps.npy", out / "data" / "logits.npy")
-                   if f.is_file())  # an earlier store is overwritten in place
+        marker = store_marker("", tokens, len(target.tap_layers) * target.config.hidden_size,
+                              args.draft_vocab, args.store_topk if args.store_topk < args.draft_vocab else 0)
+        have = sum(f.stat().st_size for f in (out / "data").glob("*.npy"))  # overwritten in place
         check_writable(out, need_bytes=output_bytes(target.config, args.draft_vocab)
-                       + max(0, 2 * tokens * width - have))
+                       + max(0, marker["bytes"] - have))
     key = cache_key(args.target, args.response_len, args.temperature, args.seed,
                     target.config.eos_token_ids, args.dtype)
     regen = lambda cached_only: regenerate(
@@ -313,12 +357,19 @@ def train_draft(args: TrainArgs) -> dict:
     check_writable(out / "data")
     if args.features not in ("online", "offline"):
         raise Eagle3Error("--features must be 'online' or 'offline'")
+    if not 0.0 <= args.hard_loss <= 1.0:
+        raise Eagle3Error(f"--hard-loss {args.hard_loss} must be in 0..1 (the share of the loss on the "
+                          "sequence's own next token)")
+    if args.schedule not in SCHEDULES:
+        raise Eagle3Error(f"--schedule must be one of {', '.join(SCHEDULES)}")
+    if args.store_topk and args.features != "offline":
+        raise Eagle3Error("--store-topk applies to the offline feature store; add --features offline")
     for name in ("ttt_steps", "epochs", "batch", "regen_chunk"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lm_head_from_target and args.init_from:
         raise Eagle3Error("--lm-head-from-target and --init-from both set the head's lm_head; choose one")
-    for name in ("eval_every", "eval_tokens", "freeze_lm_head"):
+    for name in ("eval_every", "eval_tokens", "freeze_lm_head", "store_topk"):
         if getattr(args, name) < 0:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch % world:
@@ -354,7 +405,7 @@ def train_draft(args: TrainArgs) -> dict:
     store = None
     if args.features == "offline":  # rank 0 writes the memmaps; the others then open them read-only
         make = lambda: FeatureStore(out / "data", target, samples, ids, key, args.batch,
-                                    args.progress and rank == 0)
+                                    args.progress and rank == 0, args.store_topk)
         store = make() if rank == 0 else None
         if world > 1:
             torch.distributed.barrier()
@@ -398,7 +449,7 @@ def train_draft(args: TrainArgs) -> dict:
         head.lm_head.weight.requires_grad_(step >= args.freeze_lm_head)  # frozen: no grad, no update
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.autocast):
             loss, correct, counted = ttt_loss(head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
-                                              norm=norm)
+                                              norm=norm, hard=args.hard_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:  # data parallel: average the gradients (each rank's loss is its share)

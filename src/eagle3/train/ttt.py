@@ -7,7 +7,12 @@ predicts x_{t+2+i}. Attention matches inference exactly: step i of row t
 attends to the teacher-forced step-0 keys of slots 0..t plus the keys its own
 chain wrote at steps 1..i (slots t+1..t+i at inference). Loss at step i: soft
 cross-entropy to the target's next-token distribution restricted to the draft
-vocabulary, weighted 0.8^i and by the loss mask of the predicted token.
+vocabulary, weighted 0.8^i and by the loss mask of the predicted token. With
+`hard` > 0 a share of it is the plain cross-entropy to the token the sequence
+holds there instead (on greedily regenerated data: the target's own greedy pick,
+the draft that a greedy round accepts), on the rows where that token is in the
+draft vocabulary (elsewhere no draft can be right, and the soft part alone
+teaches the head the target's distribution).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
              target_logits: torch.Tensor, steps: int = 7, decay: float = 0.8,
-             norm: float | None = None, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
+             norm: float | None = None, return_logits: bool = False,
+             hard: float = 0.0) -> tuple[torch.Tensor, ...]:
     """(loss, correct (steps,), counted (steps,)) for one batch.
 
     tokens (B, T), mask (B, T) bool (loss on these tokens as predictions),
@@ -49,6 +55,10 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
         target_logits = target_logits[..., ids]
     target_p = torch.softmax(target_logits.float(), dim=-1)  # (B, T, dv)
     target_top = target_p.argmax(-1)  # (B, T)
+    if hard:  # each token's draft id, -1 outside the draft vocabulary
+        to_draft = torch.full((head.t2d.numel(),), -1, dtype=torch.long, device=tokens.device)
+        to_draft[ids] = torch.arange(ids.numel(), device=tokens.device)
+        token_draft = to_draft[tokens]  # (B, T)
     # Every (row b, slot t) of the batch, flattened: (B*R,) each.
     b_idx, t_idx = [x.reshape(-1) for x in torch.meshgrid(
         torch.arange(B, device=tokens.device), torch.arange(R, device=tokens.device), indexing="ij")]
@@ -98,6 +108,11 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             logits = head.lm_head(head.norm(h[bi, ti]))  # (n, dv)
         # Soft cross-entropy to the target's distribution at position t+1+i.
         ce = F.cross_entropy(logits.float(), target_p[bi, ti + 1 + i], reduction="sum")
+        if hard:
+            label = token_draft[bi, ti + 2 + i]  # the token the sequence holds at t+2+i
+            inside = label >= 0
+            ce = (1 - hard) * ce + hard * F.cross_entropy(logits[inside].float(), label[inside],
+                                                          reduction="sum")
         total = total + (decay ** i) * ce / norm
         with torch.no_grad():
             correct[i] = (logits.argmax(-1) == target_top[bi, ti + 1 + i]).sum()

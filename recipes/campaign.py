@@ -1,0 +1,262 @@
+"""The default head's training campaign: resumable stages that any machine can continue from
+what the repository holds (models/default/campaign/).
+
+    python recipes/campaign.py status
+    python recipes/campaign.py regen --minutes 60      # regenerate the next chunks of responses
+    python recipes/campaign.py train --steps 2000      # continue the main run (constant lr)
+    python recipes/campaign.py cooldown --steps 300    # a shippable branch (lr decays to 0)
+
+Data: every user turn of the ShareGPT training split (the conversation up to that turn, with
+ShareGPT's own earlier replies, chat-templated, at most 256 tokens), each answered by the target
+itself (greedy, bf16, up to 160 tokens) in chunks of 256 prompts. The order is fixed: a seeded
+shuffle of the turns the first default head never trained on, then the first turns it did (the
+4,608 of `recipes/smollm2_head_stage2.sh`), so every chunk regenerated adds data the head has
+not seen until those run out. Finished chunks are committed (int32 ids, ~0.3 MB each) under
+CAMPAIGN/data; the target's features are captured again on each machine (out/, not committed).
+
+Training: `eagle3 train-draft --init-from` the campaign's latest head (the shipped default at the
+start) over every regenerated chunk, 4 TTT steps, a constant learning rate
+after a short warmup (the Adam moments are not carried between stages, so each stage warms up
+again). `train` replaces CAMPAIGN/head (bf16) and appends a line to CAMPAIGN/log.jsonl: data,
+steps, hours, the simulated tau on held-out samples. `cooldown` branches off the same head with
+the learning rate decaying linearly to 0 into out/campaign/cooldown, ready for
+`recipes/ship_default_head.py --run out/campaign/cooldown`; the main run goes on from CAMPAIGN/head.
+A training run that is cut off resumes from its own checkpoint when the same stage is run again
+on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eagle3.draft.formats import read_head, write_head  # noqa: E402
+
+TARGET = "smollm2-135m-instruct"
+CAMPAIGN = ROOT / "models" / "default" / "campaign"
+WORK = ROOT / "out" / "campaign"
+SEED, MAX_PROMPT, RESPONSE, MAX_SEQ, CHUNK = 0, 256, 160, 448, 256
+SHIPPED_FIRST_TURNS = 4608  # the first default head's data: sharegpt:4608, seed 0
+
+
+def campaign_prompts() -> list[list[int]]:
+    """Every training-split user turn's prompt ids in the campaign's fixed order."""
+    from eagle3.tokenizer import load_tokenizer
+    from eagle3.train.data import sharegpt_train_prompts
+    from eagle3.train.sharegpt import sharegpt_turns
+
+    tok = load_tokenizer(TARGET)
+    seen = sharegpt_train_prompts(f"sharegpt:{SHIPPED_FIRST_TURNS}", tok, seed=SEED,
+                                  max_prompt_len=MAX_PROMPT)
+    seen_keys = {tuple(p) for p in seen}
+    fresh = []
+    for rec in sharegpt_turns("train", quiet=True):
+        ids = tok.apply_chat_template(rec["messages"], f"sharegpt {rec['id']} turn {rec['turn']}")
+        if len(ids) <= MAX_PROMPT and tuple(ids) not in seen_keys:
+            fresh.append(ids)
+    random.Random(SEED + 1).shuffle(fresh)
+    return fresh + seen
+
+
+def load_target():
+    from eagle3.targets import load_target as load
+
+    return load(TARGET, dtype="bfloat16", max_seq_len=MAX_SEQ)
+
+
+def regen_key(target) -> str:
+    from eagle3.train.data import cache_key
+
+    return cache_key(TARGET, RESPONSE, 0.0, SEED, target.config.eos_token_ids, "bfloat16")
+
+
+def chunk_names() -> list[str]:
+    return sorted(p.name for p in (CAMPAIGN / "data").glob("regen-*.pt"))
+
+
+def regen(args) -> None:
+    """Regenerate the next chunks until --minutes have passed (a chunk is never cut short)."""
+    import torch
+
+    from eagle3.train.data import regenerate
+
+    torch.set_num_threads(args.threads)
+    prompts = campaign_prompts()
+    target = load_target()
+    key = regen_key(target)
+    (CAMPAIGN / "data").mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    n = len(chunk_names())
+    total = (len(prompts) + CHUNK - 1) // CHUNK
+    while n < total and (time.time() - start) / 60 < args.minutes:
+        t0 = time.time()
+        samples = regenerate(target, prompts[:(n + 1) * CHUNK], response_len=RESPONSE,
+                             eos_ids=target.config.eos_token_ids, batch_size=args.batch,
+                             chunk_dir=str(CAMPAIGN / "data"), key=key, chunk_size=CHUNK, progress=False)
+        n += 1
+        new = sum(int(s.mask.sum()) for s in samples[(n - 1) * CHUNK:])
+        print(f"chunk {n}/{total}: {new} response tokens in {time.time() - t0:.0f} s "
+              f"({new / (time.time() - t0):.0f} tok/s)", flush=True)
+    log({"stage": "regen", "chunks": n, "of": total, "minutes": round((time.time() - start) / 60, 1)})
+
+
+def log(entry: dict) -> None:
+    entry = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), **entry}
+    with open(CAMPAIGN / "log.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    print(json.dumps(entry), flush=True)
+
+
+def read_log() -> list[dict]:
+    path = CAMPAIGN / "log.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def machine() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def prepare_run(run: Path) -> tuple[Path, int, int]:
+    """RUN/data holding every committed chunk and RUN/prompts.jsonl their prompts (ids); returns
+    the file, the number of prompts and their response tokens."""
+    from eagle3.train.data import load_regenerated
+
+    names = chunk_names()
+    if not names:
+        sys.exit("no regenerated chunks yet: run `python recipes/campaign.py regen` first")
+    (run / "data").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        dst = run / "data" / name
+        if not dst.exists():
+            shutil.copy2(CAMPAIGN / "data" / name, dst)
+    prompts = campaign_prompts()[:len(names) * CHUNK]
+    with open(run / "prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt_ids": p}) + "\n")
+    response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
+    return run / "prompts.jsonl", len(prompts), response
+
+
+def held_out_tau(head: Path) -> dict:
+    """The simulated tau of `head` on 64 held-out ShareGPT prompts (128 new tokens each, the
+    answers cached in out/campaign/eval): the campaign's fixed yardstick between stages."""
+    cmd = [sys.executable, str(ROOT / "recipes/simulated_tau.py"), "--head", str(head), "--limit", "64",
+           "--cache", str(WORK / "eval"), "--json", str(WORK / "eval.json")]
+    subprocess.run(cmd, check=True)
+    r = json.loads((WORK / "eval.json").read_text())
+    return {"heldout_sharegpt_simulated_tau": r["simulated_tau"],
+            "heldout_share_first_k_right": r["share_first_k_right"]}
+
+
+def train(args, cooldown: bool) -> None:
+    stage = "cooldown" if cooldown else "trial" if args.trial else "train"
+    run = WORK / ("main" if stage == "train" else args.trial or stage)
+    if args.continue_trial:  # the winner of an A/B goes on as the main run, optimizer state and all
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(WORK / args.continue_trial, run)
+        args.resume = True
+    data, n, response = prepare_run(run)
+    init = CAMPAIGN / "head"
+    if not (init / "config.json").is_file():  # the campaign starts from the shipped default
+        init = ROOT / "models/default/head"
+    resume = ["--resume"] if (run / "checkpoint.pt").is_file() and args.resume else []
+    if args.seed is None:  # each stage its own batch order: the number of stages before it
+        args.seed = sum(1 for e in read_log() if e["stage"] == "train")
+    cmd = [str(ROOT / ".venv/bin/eagle3"), "train-draft", "--target", TARGET, "--data", str(data),
+           "--out", str(run), "--init-from", str(init), "--features", args.features, "--ttt-steps", "4",
+           "--dtype", "bfloat16", "--max-seq-len", str(MAX_SEQ), "--max-prompt-len", str(MAX_PROMPT),
+           "--response-len", str(RESPONSE), "--batch", "8", "--draft-vocab", "8192",
+           "--epochs", "1000", "--max-steps", str(args.steps), "--lr", str(args.lr),
+           "--warmup", "20", "--schedule", "linear" if cooldown else "constant", "--autocast",
+           "--threads", str(args.threads), "--ckpt-every", "50", "--eval-every", str(args.eval_every),
+           "--seed", str(args.seed), "--hard-loss", str(args.hard_loss), *resume,
+           *(["--store-topk", "64"] if args.features == "offline" else [])]
+    print(" ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    report = json.loads((run / "report.json").read_text())
+    entry = {"stage": stage, **({"trial": args.trial} if args.trial else {}),
+             **({"continues": args.continue_trial} if args.continue_trial else {}),
+             "init": str(init.relative_to(ROOT)), "hard_loss": args.hard_loss,
+             "prompts": n, "response_tokens": response, "steps": report["steps"], "batch": 8,
+             "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
+             "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
+             "train_heldout_simulated_tau": report.get("simulated_tau"),
+             "final_acc_per_step": report.get("final_acc_per_step"), **held_out_tau(run / "head")}
+    if stage == "train":
+        _, cfg, state = read_head(str(run / "head"))
+        import torch
+
+        state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        tmp = CAMPAIGN / "head.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_head(str(tmp), cfg, state, "official")
+        shutil.rmtree(CAMPAIGN / "head", ignore_errors=True)
+        tmp.rename(CAMPAIGN / "head")
+    log(entry)
+
+
+def status(args) -> None:
+    names = chunk_names()
+    print(f"{len(names)} chunk(s) regenerated in {CAMPAIGN / 'data'}")
+    print("head:", CAMPAIGN / "head" if (CAMPAIGN / "head").is_dir() else "none yet (the shipped default)")
+    if (CAMPAIGN / "log.jsonl").is_file():
+        print((CAMPAIGN / "log.jsonl").read_text(), end="")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="stage", required=True)
+    sub.add_parser("status")
+    r = sub.add_parser("regen")
+    r.add_argument("--minutes", type=float, default=60)
+    r.add_argument("--batch", type=int, default=128)
+    r.add_argument("--threads", type=int, default=2)
+    for name, steps, lr in (("train", 2000, 4e-4), ("cooldown", 300, 4e-4)):
+        t = sub.add_parser(name)
+        t.add_argument("--steps", type=int, default=steps)
+        t.add_argument("--lr", type=float, default=lr)
+        t.add_argument("--seed", type=int, default=None,
+                       help="batch order (default: the number of training stages logged so far)")
+        t.add_argument("--eval-every", type=int, default=200)
+        t.add_argument("--threads", type=int, default=2)
+        t.add_argument("--features", choices=("online", "offline"), default="online",
+                       help="online (default): the target runs in each step, as cheap as capturing "
+                            "once for a stage of about one epoch; offline: captured once (top-64 "
+                            "logits), for stages of several epochs")
+        t.add_argument("--resume", action="store_true", help="continue this stage's own checkpoint")
+        t.add_argument("--hard-loss", type=float, default=0.0, help="train-draft --hard-loss")
+        t.add_argument("--trial", default=None, metavar="NAME",
+                       help="an A/B arm: train into out/campaign/NAME, log it, keep the campaign's head")
+        t.add_argument("--continue-trial", default=None, metavar="NAME",
+                       help="go on from trial NAME's checkpoint (same data and settings) as this stage")
+    args = ap.parse_args()
+    if args.stage == "status":
+        status(args)
+    elif args.stage == "regen":
+        regen(args)
+    else:
+        train(args, args.stage == "cooldown")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
