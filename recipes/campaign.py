@@ -7,11 +7,13 @@ what the repository holds (models/default/campaign/).
     python recipes/campaign.py cooldown --steps 300    # a shippable branch (lr decays to 0)
 
 Data: every user turn of the ShareGPT training split (the conversation up to that turn, with
-ShareGPT's own earlier replies, chat-templated, at most 256 tokens), each answered by the target
-itself (greedy, bf16, up to 160 tokens) in chunks of 256 prompts. The order is fixed: a seeded
-shuffle of the turns the first default head never trained on, then the first turns it did (the
-4,608 of `recipes/smollm2_head_stage2.sh`), so every chunk regenerated adds data the head has
-not seen until those run out. Finished chunks are committed (int32 ids, ~0.3 MB each) under
+ShareGPT's own earlier replies, chat-templated, at most 256 tokens) and 3,000 code-completion
+prompts in HumanEval's shape (a Python standard-library function's signature and docstring;
+CAMPAIGN/code_prompts.jsonl), each answered by the target itself (greedy, bf16, up to 160
+tokens) in chunks of 256 prompts. The order is fixed: a seeded shuffle of the ShareGPT turns the
+first default head never trained on, the code prompts, then the first turns it did train on
+(the 4,608 of `recipes/smollm2_head_stage2.sh`), so every chunk regenerated adds data the head
+has not seen until those run out. Finished chunks are committed (int32 ids, ~0.3 MB each) under
 CAMPAIGN/data; the target's features are captured again on each machine (out/, not committed).
 
 Training: `eagle3 train-draft --init-from` the campaign's latest head (the shipped default at the
@@ -49,8 +51,56 @@ SEED, MAX_PROMPT, RESPONSE, MAX_SEQ, CHUNK = 0, 256, 160, 448, 256
 SHIPPED_FIRST_TURNS = 4608  # the first default head's data: sharegpt:4608, seed 0
 
 
+CODE_PROMPTS = CAMPAIGN / "code_prompts.jsonl"
+CODE_LIMIT = 3000
+
+
+def stdlib_code_prompts() -> list[str]:
+    """Code-completion prompts in HumanEval's shape from the Python standard library: a
+    function's signature and docstring (dedented, the body left for the target to write), for
+    functions with a docstring of 2-25 lines, tests and private names skipped; a seeded draw
+    of CODE_LIMIT of them, sorted by file and line."""
+    import ast
+    import sysconfig
+    import textwrap
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") for part in rel.parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc or not 2 <= doc.count("\n") + 1 <= 25 or not node.body:
+                continue
+            head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])  # signature + docstring
+            found.append((str(rel), node.lineno, textwrap.dedent(head) + "\n"))
+    pick = random.Random(SEED).sample(range(len(found)), min(CODE_LIMIT, len(found)))
+    return [found[i][2] for i in sorted(pick)]
+
+
+def code_prompts() -> list[str]:
+    """The campaign's code prompts: CAMPAIGN/code_prompts.jsonl, made once from this machine's
+    standard library and committed, so every machine regenerates the same prompts."""
+    if not CODE_PROMPTS.is_file():
+        CODE_PROMPTS.parent.mkdir(parents=True, exist_ok=True)
+        CODE_PROMPTS.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in stdlib_code_prompts()))
+    return [json.loads(line)["prompt"] for line in CODE_PROMPTS.read_text().splitlines() if line]
+
+
 def campaign_prompts() -> list[list[int]]:
-    """Every training-split user turn's prompt ids in the campaign's fixed order."""
+    """Every training-split user turn's prompt ids in the campaign's fixed order: the fresh
+    ShareGPT turns, then the code prompts, then the first head's first turns. (Chunks are keyed
+    by their prompts: a new source goes after every chunk already made.)"""
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
@@ -65,7 +115,8 @@ def campaign_prompts() -> list[list[int]]:
         if len(ids) <= MAX_PROMPT and tuple(ids) not in seen_keys:
             fresh.append(ids)
     random.Random(SEED + 1).shuffle(fresh)
-    return fresh + seen
+    code = [ids for ids in (tok.encode(p) for p in code_prompts()) if len(ids) <= MAX_PROMPT]
+    return fresh + code + seen
 
 
 def load_target():

@@ -488,6 +488,15 @@ def test_topk_store_keeps_the_largest_logits_and_a_fifth_of_the_bytes(target_dir
         train_draft(args_for(target_dir, data_file, tmp_path / "x", store_topk=8))
 
 
+def test_greedy_regeneration_is_shared_across_seeds():
+    from eagle3.train.data import cache_key
+
+    assert cache_key("t", 8, 0.0, 0) == cache_key("t", 8, 0.0, 5)  # greedy: the seed orders batches only
+    assert cache_key("t", 8, 0.7, 0) != cache_key("t", 8, 0.7, 5)
+    assert cache_key("t", 8, 0.0, 0) != cache_key("t", 9, 0.0, 0)
+    assert cache_key("t", 8, 0.0, 0) != cache_key("t", 8, 0.0, 0, dtype="bfloat16")
+
+
 def test_learning_rate_schedules():
     from eagle3.train.trainer import lr_at
 

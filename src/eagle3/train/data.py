@@ -149,8 +149,10 @@ def prompt_from_record(rec: dict, tokenizer: Any, where: str) -> list[int]:
 
 def cache_key(target: str, response_len: int, temperature: float, seed: int,
               eos_ids: tuple[int, ...] = (), dtype: str | None = None) -> str:
-    """The regeneration settings' key (the prompts are keyed per chunk by `regenerate`)."""
+    """The regeneration settings' key (the prompts are keyed per chunk by `regenerate`). The seed
+    only counts when sampling: greedy answers are the same whatever `--seed` orders the batches."""
     where = os.path.abspath(target) if os.path.exists(target) else target
+    seed = seed if temperature > 0 else 0
     return hashlib.sha256(json.dumps([where, response_len, temperature, seed, sorted(eos_ids),
                                       str(dtype or "float32")]).encode()).hexdigest()
 
