@@ -72,7 +72,8 @@ def step_times(sizes: list[int], reps: int) -> dict[str, float]:
             head.t2d[:dv] = True
             save_head(head.to(torch.bfloat16), f"{tmp}/{dv}", "official")
             specs[dv] = eagle3.load("default", f"{tmp}/{dv}")
-    T, pos = 300, 300
+    T = 300
+    pos = T - 1  # the draft cache holds slots 0..T-2 after seeding; each step writes slot T-1
     times: dict = {dv: [] for dv in sizes} | {"target": []}
     ref = specs[sizes[0]]
     prompt = torch.randint(0, 40000, (1, T), generator=torch.Generator().manual_seed(0))
@@ -83,11 +84,13 @@ def step_times(sizes: list[int], reps: int) -> dict[str, float]:
     for _ in range(reps):
         for dv, spec in specs.items():
             f1 = torch.zeros(1, 1, spec.draft.config.hidden_size)  # a step reads the last hidden state
+            spec.draft_cache.truncate(pos)  # rewind: every rep times the same step
             t0 = time.perf_counter()
             spec.draft_decode(tok, f1, torch.tensor([pos]), kv_len=pos + 1)
             times[dv].append(time.perf_counter() - t0)
+        ref.target_cache.truncate(T)
         t0 = time.perf_counter()
-        ref.decode(tok, torch.tensor([pos]), kv_len=pos + 1)
+        ref.decode(tok, torch.tensor([T]), kv_len=T + 1)
         times["target"].append(time.perf_counter() - t0)
     return {str(k): round(1000 * statistics.median(v), 3) for k, v in times.items()}
 
