@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import shutil
 import subprocess
@@ -162,7 +161,9 @@ def regen(args) -> None:
 
 
 def log(entry: dict) -> None:
-    entry = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), **entry}
+    from eagle3.kernels import cpu_name
+
+    entry = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(), **entry}
     with open(CAMPAIGN / "log.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     print(json.dumps(entry), flush=True)
@@ -173,16 +174,6 @@ def read_log() -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def machine() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def prepare_run(run: Path) -> tuple[Path, int, int]:

@@ -36,16 +36,10 @@ def answers(prompt_set: str, limit: int, cache: Path) -> torch.Tensor:
     from eagle3.cli.bench import read_prompt_records
     from eagle3.targets import load_target
     from eagle3.tokenizer import load_tokenizer
-    from eagle3.train.data import regenerate
+    from eagle3.train.data import prompt_from_record, regenerate
 
     target, tok = load_target("default"), load_tokenizer("default")
-    ids = []
-    for _, rec in read_prompt_records(prompt_set, limit):
-        if "prompt_ids" in rec:
-            ids.append(list(rec["prompt_ids"]))
-        else:
-            ids.append(tok.apply_chat_template(rec["messages"]) if "messages" in rec else
-                       tok.encode(rec["prompt"]))
+    ids = [prompt_from_record(rec, tok, where) for where, rec in read_prompt_records(prompt_set, limit)]
     cache.mkdir(parents=True, exist_ok=True)
     samples = regenerate(target, ids, response_len=128, eos_ids=target.config.eos_token_ids, batch_size=16,
                          chunk_dir=str(cache), key=json.dumps(["default", 128]), progress=False)
@@ -96,6 +90,7 @@ def step_times(sizes: list[int], reps: int) -> dict[str, float]:
 
 
 def main() -> int:
+    from eagle3.kernels import cpu_name
     from eagle3.train.data import load_regenerated
     from eagle3.train.vocab import build_draft_vocab
 
@@ -118,8 +113,7 @@ def main() -> int:
         _, _, t2d = build_draft_vocab(tokens, mask, 49152, dv)
         out["coverage"][str(dv)] = {name: round(float(t2d[a].float().mean()), 4) for name, a in sets.items()}
     out["step_ms"] = step_times(sizes, args.reps)
-    out["machine"] = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                           if ln.startswith("model name")), "?")
+    out["machine"] = cpu_name()
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

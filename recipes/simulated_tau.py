@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.draft import attach_head, load_head
     from eagle3.targets import load_target
     from eagle3.tokenizer import load_tokenizer
-    from eagle3.train.data import collate, regenerate
+    from eagle3.train.data import collate, prompt_from_record, regenerate
     from eagle3.train.simulate import chain_hits, simulated_tau
     from eagle3.train.trainer import target_forward
 
@@ -53,14 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     _, head = load_head(args.head or default_head_dir(), max_len=target.config.max_seq_len)
     attach_head(head, target)
     tok = load_tokenizer(args.target)
-    ids = []
-    for _, rec in read_prompt_records(args.prompts, args.limit):
-        if "prompt_ids" in rec:
-            ids.append(list(rec["prompt_ids"]))
-        elif "messages" in rec:
-            ids.append(tok.apply_chat_template(rec["messages"]))
-        else:
-            ids.append(tok.encode(rec["prompt"]))
+    records = read_prompt_records(args.prompts, args.limit)
+    ids = [prompt_from_record(rec, tok, where) for where, rec in records]
     key = json.dumps([args.target, args.max_new_tokens])
     samples = regenerate(target, ids, response_len=args.max_new_tokens, chunk_dir=args.cache, key=key,
                          eos_ids=target.config.eos_token_ids, batch_size=16, progress=True)
