@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's benchmark tables for the default (SmolLM2-135M-Instruct + models/default/head):
+# The benchmark tables in docs/default-model.md for the default (SmolLM2-135M-Instruct + models/default/head):
 # held-out ShareGPT and HumanEval, chain K and the default tree, greedy and temperature 0.7.
 # The weights as a user gets them (`--quantize auto`: the GGUF's own Q4_1 / Q8_0 codes on the
 # row-invariant kernels, eager); recipes/bench_formats.sh measures every format side by side.

@@ -97,7 +97,7 @@ def test_exported_generation_is_lossless(programs, name):
     """Greedy chain generation through the program equals plain greedy decoding: the eager
     target's for the float program, the program's own for the quantized one (which checks the
     runner over a quantized program; on this tiny model no argmax is a near-tie, while on the
-    default model quantized rounding flips a few, as README's Export section measures)."""
+    default model quantized rounding flips a few, as docs/export.md measures)."""
     p = programs[name]
     prog = eagle3.load(p["target"], backend="executorch", program=p["program"])
     plain_prog = prog.plain()

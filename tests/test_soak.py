@@ -8,7 +8,7 @@ inside the commit of a row's verdict after its length has advanced (failing that
 and in the sampler (failing its request). Afterwards: every greedy answer that succeeded
 equals `generate`, no KV page is leaked, the 500s are no more than the faults can explain,
 RSS stayed flat, and the server still serves. Figures are printed (and written to
-`$EAGLE3_SOAK_REPORT` when set), for the README's reliability section.
+`$EAGLE3_SOAK_REPORT` when set), for docs/reliability.md.
 """
 
 from __future__ import annotations

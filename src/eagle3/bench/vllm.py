@@ -26,7 +26,7 @@ from ..errors import Eagle3Error, brief
 from ..files import atomic_dir
 from .harness import Arm, Sample
 
-SETUP_HINT = "run recipes/vllm/setup.sh first (README, 'Weight formats' -> vLLM's CPU build)"
+SETUP_HINT = "run recipes/vllm/setup.sh first (docs/weight-formats.md, vLLM's CPU build)"
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 # After each read vLLM's shared-memory readers spin (sched_yield) for 1 s and its OpenMP threads

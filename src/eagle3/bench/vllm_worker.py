@@ -44,7 +44,7 @@ def main() -> None:
 
 def serve(cfg: dict, proto) -> None:
     threads = int(cfg.get("threads", 2))
-    # The settings that ran on 2 CPU cores (README, "Weight formats" -> vLLM): no AOT compile
+    # The settings that ran on 2 CPU cores (docs/weight-formats.md, "vLLM's CPU build"): no AOT compile
     # cache (reloading it fails), the first `threads` cores, none reserved, 2 GiB of KV cache.
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")

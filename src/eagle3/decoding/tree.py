@@ -47,7 +47,7 @@ class TreeShape:
         return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total_tokens}
 
 
-# The fastest shape measured on the toy model, eager, 2 CPU threads (README, "Trees and sampling"):
+# The fastest shape measured on the toy model, eager, 2 CPU threads (docs/decoding.md, "Trees and sampling"):
 # wider or deeper trees accept more (4x8x48: tau 5.06) but cost more than they gain here.
 DEFAULT_TREE = TreeShape()
 

@@ -294,7 +294,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
             check_pte(os.path.join(program_dir, PROGRAM_FILE))
             _loaded = (*_load_methods(Runtime.get(), program_dir, meta["methods"]), meta)
         self._program, self.methods, self.meta = _loaded
-        if speculate:  # XNNPACK's kernels are not row-invariant (README, Export)
+        if speculate:  # XNNPACK's kernels are not row-invariant (docs/export.md)
             quantized = self.meta.get("quantize", "none") != "none"
             how = (f"is {self.meta['quantize']}-quantized: its int8 activations round differently"
                    if quantized else "runs XNNPACK's fp32 kernels, which round slightly differently")

@@ -539,7 +539,8 @@ def prepare_target(target: nn.Module, quantize: str | None, draft: nn.Module | N
     target.exact = dev.type == "cpu" and kernel_available()
     use_fused_steps(target, draft, on=target.exact)
     # bf16 KV with packed weights: half the cache's bytes (faster past ~1k positions) for an
-    # error ~10x below int8 activations' (README, "KV cache in bf16"); float weights keep fp32.
+    # error ~10x below int8 activations' (docs/weight-formats.md, "KV cache in bf16"); float
+    # weights keep fp32.
     if hasattr(target, "kv_dtype"):
         target.kv_dtype = torch.bfloat16 if target.exact and fmt in ("int8", "int4", "gguf") else None
     target.weight_format = fmt if group is None or fmt not in QUANTIZE_CHOICES else f"{fmt}-g{group}"

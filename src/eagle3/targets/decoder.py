@@ -375,7 +375,7 @@ class NativeTarget(nn.Module):
         self.gguf_types: dict | None = None
         # The KV cache's dtype (None: the weights' dtype). `kernels.prepare_target` sets bf16 for
         # the packed formats: half the cache's memory and reads, each element rounded alone
-        # (row-invariant), an error far below int8 activations' (README, "KV cache in bf16").
+        # (row-invariant), an error far below int8 activations' (docs/weight-formats.md, "KV cache in bf16").
         self.kv_dtype: torch.dtype | None = None
         if taps is not None:
             self.tap_layers = taps
