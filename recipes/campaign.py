@@ -5,6 +5,7 @@ what the repository holds (models/default/campaign/).
     python recipes/campaign.py regen --minutes 60      # regenerate the next chunks of responses
     python recipes/campaign.py train --steps 2000      # continue the main run (constant lr)
     python recipes/campaign.py cooldown --steps 300    # a shippable branch (lr decays to 0)
+    python recipes/campaign.py curve                   # the held-out simulated tau along the way
 
 Data: every user turn of the ShareGPT training split (the conversation up to that turn, with
 ShareGPT's own earlier replies, chat-templated, at most 256 tokens) and 3,000 code-completion
@@ -100,6 +101,12 @@ def campaign_prompts() -> list[list[int]]:
     """Every training-split user turn's prompt ids in the campaign's fixed order: the fresh
     ShareGPT turns, then the code prompts, then the first head's first turns. (Chunks are keyed
     by their prompts: a new source goes after every chunk already made.)"""
+    return [p for source in prompt_sources().values() for p in source]
+
+
+def prompt_sources() -> dict[str, list[list[int]]]:
+    """The campaign's prompts (ids) by source, in order: `fresh` ShareGPT turns, `code`, and
+    `seen` (the first default head's first turns)."""
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
@@ -115,7 +122,7 @@ def campaign_prompts() -> list[list[int]]:
             fresh.append(ids)
     random.Random(SEED + 1).shuffle(fresh)
     code = [ids for ids in (tok.encode(p) for p in code_prompts()) if len(ids) <= MAX_PROMPT]
-    return fresh + code + seen
+    return {"fresh": fresh, "code": code, "seen": seen}
 
 
 def load_target():
@@ -198,14 +205,26 @@ def prepare_run(run: Path) -> tuple[Path, int, int]:
 
 
 def held_out_tau(head: Path) -> dict:
-    """The simulated tau of `head` on 64 held-out ShareGPT prompts (128 new tokens each, the
-    answers cached in out/campaign/eval): the campaign's fixed yardstick between stages."""
-    cmd = [sys.executable, str(ROOT / "recipes/simulated_tau.py"), "--head", str(head), "--limit", "64",
-           "--cache", str(WORK / "eval"), "--json", str(WORK / "eval.json")]
-    subprocess.run(cmd, check=True)
-    r = json.loads((WORK / "eval.json").read_text())
-    return {"heldout_sharegpt_simulated_tau": r["simulated_tau"],
-            "heldout_share_first_k_right": r["share_first_k_right"]}
+    """The simulated tau of `head` on 64 held-out ShareGPT prompts and 64 HumanEval prompts (128
+    new tokens each, the answers cached in out/campaign/eval and eval-humaneval): the campaign's
+    fixed yardsticks between stages (the code prompts are standard-library functions, never
+    HumanEval's)."""
+    out = {}
+    for prompts, cache, name in (("sharegpt-heldout", "eval", "sharegpt"),
+                                 ("humaneval", "eval-humaneval", "humaneval")):
+        cmd = [sys.executable, str(ROOT / "recipes/simulated_tau.py"), "--head", str(head), "--limit", "64",
+               "--prompts", prompts, "--cache", str(WORK / cache), "--json", str(WORK / "eval.json")]
+        subprocess.run(cmd, check=True)
+        r = json.loads((WORK / "eval.json").read_text())
+        out[f"heldout_{name}_simulated_tau"] = r["simulated_tau"]
+        out[f"heldout_{name}_share_first_k_right"] = r["share_first_k_right"]
+    return out
+
+
+def eval_curve(report: dict) -> list[list[float]]:
+    """[step, simulated tau K=1..6] at each of a run's evaluations (train-draft's own held-out
+    split of the stage's data), for the campaign's curve."""
+    return [[e["step"], *e["sim_tau"]] for e in report.get("log", []) if "sim_tau" in e]
 
 
 def train(args, cooldown: bool) -> None:
@@ -236,13 +255,15 @@ def train(args, cooldown: bool) -> None:
     subprocess.run(cmd, check=True)
     report = json.loads((run / "report.json").read_text())
     entry = {"stage": stage, **({"trial": args.trial} if args.trial else {}),
+             "resumed": bool(resume) and not args.continue_trial,
              **({"continues": args.continue_trial} if args.continue_trial else {}),
              "init": str(init.relative_to(ROOT)), "hard_loss": args.hard_loss,
              "prompts": n, "response_tokens": response, "steps": report["steps"], "batch": 8,
              "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
              "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
              "train_heldout_simulated_tau": report.get("simulated_tau"),
-             "final_acc_per_step": report.get("final_acc_per_step"), **held_out_tau(run / "head")}
+             "final_acc_per_step": report.get("final_acc_per_step"), "curve": eval_curve(report),
+             **held_out_tau(run / "head")}
     if stage == "train":
         _, cfg, state = read_head(str(run / "head"))
         import torch
@@ -254,6 +275,94 @@ def train(args, cooldown: bool) -> None:
         shutil.rmtree(CAMPAIGN / "head", ignore_errors=True)
         tmp.rename(CAMPAIGN / "head")
     log(entry)
+
+
+def curve(args) -> None:
+    """Plot the held-out simulated tau along the campaign (CAMPAIGN/log.jsonl) against token
+    passes and unique response tokens, fit tau per doubling of passes and project it: writes
+    docs/bench/campaign-curve.{json,png}."""
+    from eagle3.train.data import load_regenerated
+
+    entries = read_log()
+    src = {k: len(v) for k, v in prompt_sources().items()}
+    resp = [int(s.mask.sum()) for s in load_regenerated(str(CAMPAIGN / "data"))]
+    new_prompts = src["fresh"] + src["code"]
+    seen = resp[new_prompts:new_prompts + SHIPPED_FIRST_TURNS]
+    if len(seen) < SHIPPED_FIRST_TURNS:
+        sys.exit("the first head's prompts are not all regenerated yet: run `regen` to the end first")
+    # The shipped head: stage 1 two epochs over the first 3,072 of its turns, stage 2 three over
+    # all 4,608 (its model card); the same prompts and settings regenerate the same responses.
+    shipped_passes = 2 * sum(seen[:3072]) + 3 * sum(seen)
+    shipped = next(e for e in entries if e["stage"] == "shipped")
+    points = [{"stage": "shipped", "passes": shipped_passes, "unique": sum(seen),
+               "tau": shipped["heldout_sharegpt_simulated_tau"],
+               "tau_humaneval": shipped.get("heldout_humaneval_simulated_tau")}]
+    main = start = shipped_passes  # the main run's passes so far; where its current run began
+    for e in entries:
+        if e["stage"] not in ("train", "cooldown"):
+            continue
+        if e["stage"] == "train" and not e.get("resumed"):  # a fresh run from the campaign head
+            start = main
+        # a resumed run's steps count from its start; a cool-down branches off the main run's head
+        passes = (start if e["stage"] == "train" else main) + e["token_passes"]
+        unique = sum(seen) + sum(resp[:min(e["prompts"], new_prompts)])
+        points.append({"stage": e["stage"], "date": e["date"], "passes": passes, "unique": unique,
+                       "tau": e["heldout_sharegpt_simulated_tau"],
+                       "tau_humaneval": e.get("heldout_humaneval_simulated_tau")})
+        if e["stage"] == "train":
+            main = passes
+    fit = doubling_fit([p for p in points if p["stage"] != "cooldown"] or points, args.goal)
+    out = ROOT / "docs" / "bench" / "campaign-curve"
+    out.with_suffix(".json").write_text(json.dumps({"points": points, "fit": fit}, indent=1) + "\n")
+    plot_curve(points, fit, out.with_suffix(".png"))
+    print(json.dumps(fit, indent=1))
+
+
+def doubling_fit(points: list[dict], goal: float) -> dict:
+    """Least squares of tau at K=6 (and K=1) on log2(token passes): the gain per doubling and, if
+    it holds, the passes that reach `goal` at K=6."""
+    import math
+
+    def line(k):
+        xs = [math.log2(p["passes"]) for p in points]
+        ys = [p["tau"][k - 1] for p in points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+        return slope, my - slope * mx
+
+    s6, b6 = line(6)
+    s1, _ = line(1)
+    need = 2 ** ((goal - b6) / s6) if s6 > 0 else None
+    return {"points": len(points), "tau_k6_per_doubling": round(s6, 4), "tau_k1_per_doubling": round(s1, 4),
+            "goal_tau_k6": goal, "passes_for_goal": need and round(need),
+            "doublings_for_goal": need and round(math.log2(need / points[-1]["passes"]), 1)}
+
+
+def plot_curve(points: list[dict], fit: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, name in ((axes[0], "tau", "held-out ShareGPT"), (axes[1], "tau_humaneval", "HumanEval")):
+        for k, color in ((1, "tab:blue"), (3, "tab:orange"), (6, "tab:green")):
+            for cool, style in ((False, "o-"), (True, "s")):
+                pts = [p for p in points if p.get(key) and (p["stage"] == "cooldown") == cool]
+                ax.plot([p["passes"] for p in pts], [p[key][k - 1] for p in pts], style, color=color,
+                        mfc="none" if cool else color, label=None if cool else f"chain K={k}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token passes (the first head's two stages, then the campaign's)")
+        ax.set_title(f"{name} (64 prompts x 128 tokens)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("simulated tau (greedy chain of K)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"+{fit['tau_k6_per_doubling']:.3f} tau (K=6, ShareGPT) per doubling of token passes; "
+                 f"squares: cool-down branches; unique response tokens at the end: "
+                 f"{points[-1]['unique']:,}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def status(args) -> None:
@@ -268,6 +377,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="stage", required=True)
     sub.add_parser("status")
+    c = sub.add_parser("curve", help="plot the held-out simulated tau along the campaign")
+    c.add_argument("--goal", type=float, default=3.0, help="the tau (K=6) to project (default 3.0)")
     r = sub.add_parser("regen")
     r.add_argument("--minutes", type=float, default=60)
     r.add_argument("--batch", type=int, default=128)
@@ -293,6 +404,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.stage == "status":
         status(args)
+    elif args.stage == "curve":
+        curve(args)
     elif args.stage == "regen":
         regen(args)
     else:

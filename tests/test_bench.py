@@ -153,13 +153,15 @@ def test_report_accounting_matches_generate_stats(spec, dirs):
 
 
 def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
-    """Count every tensor -> Python conversion made in the round (round.py, accept.py), independently."""
+    """Count every tensor -> Python conversion made in the round (round.py, drafting.py, accept.py),
+    independently."""
     seen = []
     for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
         orig = getattr(torch.Tensor, name)
 
         def counting(self, *a, _orig=orig, **kw):
-            if sys._getframe(1).f_code.co_filename.endswith(("decoding/round.py", "decoding/accept.py")):
+            if sys._getframe(1).f_code.co_filename.endswith(("decoding/round.py", "decoding/drafting.py",
+                                                                   "decoding/accept.py")):
                 seen.append(1)
             return _orig(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, counting)

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from eagle3 import Eagle3Error
-from eagle3.decoding import round as rounds
+from eagle3.decoding import drafting
 from eagle3.decoding.costs import choose_plan
 from eagle3.decoding.round import Plan, run_round
 from eagle3.draft import attach_head, random_head
 from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
-from eagle3.engine.kv import PagePool
+from eagle3.engine.paged import PagePool
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import save_context_target, scripted_head
@@ -421,8 +421,8 @@ def test_plain_rounds_catch_up_alone(ctx, monkeypatch):
     assert sampled.seq.draft_len == greedy.seq.draft_len == 0
     engine.config.num_draft_tokens = 3
     sizes = []
-    real = rounds._catch_up_rows
-    monkeypatch.setattr(rounds, "_catch_up_rows",
+    real = drafting.catch_up_rows
+    monkeypatch.setattr(drafting, "catch_up_rows",
                         lambda b, rows, **kw: (sizes.append([len(r.pending_ids) for r in rows]),
                                               real(b, rows, **kw)))
     late = engine.submit(ps[2], 20, stop_token_ids=[])
@@ -472,8 +472,8 @@ def test_the_cost_model_picks_plain_when_verifying_costs_too_much():
     assert fit_line([5.0, 1.0, 9.0, 7.0, 8.0]) == sorted(fit_line([5.0, 1.0, 9.0, 7.0, 8.0]))
     assert min(fit_line([3.0, 0.1, 0.1, 0.1])) >= 0.1
     # Timed at a few lengths (calibration's probe_lengths), the line is given at every T.
-    at = probe_lengths(9, every=False)
-    assert at == [1, 2, 3, 5, 9] and probe_lengths(9, every=True) == list(range(1, 10))
+    at = probe_lengths(9)
+    assert at == [1, 2, 3, 5, 9]
     assert fit_line([2 + 0.5 * t for t in at], at) == pytest.approx([2 + 0.5 * t for t in range(1, 10)])
 
 

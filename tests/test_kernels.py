@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
+from eagle3.cache import masked_attention
 from eagle3.errors import Eagle3Error
 from eagle3.kernels import (
     FORMATS,
@@ -38,7 +39,6 @@ from eagle3.kernels import (
     use_isa,
 )
 from eagle3.kernels import argmax as kernel_argmax
-from eagle3.kv import masked_attention
 
 GROUPS = {"float32": [None], "bfloat16": [None], "int8": [32, 64], "int4": [32, 64]}
 CASES = [(f, g) for f in FORMATS for g in GROUPS[f]] + [("q4_0", 32)]

@@ -352,7 +352,7 @@ class FakeEngine:
     """Just enough engine to drive `Generation` by hand: on_event is called from the test."""
 
     def __init__(self, tokenizer) -> None:
-        self.spec = type("S", (), {"tokenizer": tokenizer})()
+        self.tokenizer = tokenizer
         self.aborted: list[str] = []
         self.req = FakeRequest()
 

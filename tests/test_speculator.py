@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.decoding.round import Plan, Sequence, catch_up, draft_chain, grant, prefill
+from eagle3.decoding.drafting import catch_up, draft_chain
+from eagle3.decoding.round import Plan, SequenceState, grant, prefill
 from eagle3.draft import attach_head, random_head, save_head
 from eagle3.engine import Engine, EngineConfig
 from eagle3.speculator import Eagle3Speculator
@@ -153,7 +154,7 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     spec = spec_with(t, head)
     prompt = torch.tensor([prompts(1, 7, 12, 13)[0]])
     n = prompt.shape[1]
-    seq = Sequence("s", prompt[0].tolist(), 20, frozenset())
+    seq = SequenceState("s", prompt[0].tolist(), 20, frozenset())
     tok = prefill(spec.backend, seq)  # the prompt's forward; the draft's catch-up waits
     assert (seq.draft_len, seq.target_len, len(seq.pending_ids)) == (0, n, n)
     catch_up(spec.backend, [seq])
@@ -175,6 +176,40 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
             feats = torch.cat([feats, h[:, -1:]], 1)
     assert drafts[0].tolist() == ids
     assert seq.draft_len == n  # drafting leaves the committed length unchanged
+
+
+def test_the_round_drafts_through_the_backend_alone(dirs, monkeypatch):
+    """The backend owns drafting: the round asks its `draft_chain(rows, k, counts)` for each
+    group's proposal and verifies what it returns. A backend proposing the target's own
+    continuation has every draft accepted (K=4: tau 5 until the end), one proposing decoys has
+    none, and both stay lossless; near max_new_tokens the round asks for fewer than K."""
+    from eagle3.decoding.tree import chain_proposal
+    from eagle3.decoding.types import Proposal
+
+    t = load_target(dirs["llama"])
+    spec = spec_with(t, random_head(t, taps=(1, 3, 5)))
+    prompt, new = prompts(1, 11, 5, 6)[0], 23
+    full = plain_tokens(t, prompt, new, stop=[])
+    asked = []
+
+    def oracle(decoy: bool):
+        def draft_chain(rows, k, counts):
+            catch_up(spec.backend, rows)
+            asked.append((k, counts[0]))
+            i = rows[0].draft_len - len(prompt)  # the anchor is full[i]
+            true = full[i + 1:i + 1 + counts[0]]
+            tokens = [(x + 1) % V if decoy else x for x in true] + [0] * (counts[0] - len(true))
+            return Proposal(*chain_proposal(torch.tensor([tokens])), q=[None], counts=counts, tree=False)
+        return draft_chain
+
+    for decoy in (False, True):
+        asked.clear()
+        monkeypatch.setattr(spec.backend, "draft_chain", oracle(decoy))
+        r = spec.generate(prompt, new, num_draft_tokens=4, stop_token_ids=[])
+        assert r.token_ids == full
+        assert r.stats["accepted_tokens"] == (0 if decoy else new - 1 - r.stats["rounds"])
+        assert all(k == 4 for k, _ in asked) and asked[-1][1] < 4  # the last round: fewer than K
+        assert r.stats["rounds"] == len(asked)
 
 
 # -- losslessness ------------------------------------------------------------------------------------
@@ -300,7 +335,7 @@ def test_stop_token_inside_accepted_span(dirs):
 
 def granted_drafts(k: int, cur: int, max_len: int, room: int = 1000) -> int:
     """Drafts a chain round may verify with `cur` tokens so far (the anchor at cur - 1)."""
-    seq = Sequence("s", [0], room, frozenset(), target_len=cur - 1, root=torch.zeros(1))
+    seq = SequenceState("s", [0], room, frozenset(), target_len=cur - 1, root=torch.zeros(1))
     return grant(seq, Plan(k), max_len)
 
 

@@ -1,4 +1,4 @@
-"""Static, preallocated key/value cache.
+"""Static, preallocated key/value cache, the attention over it, and the slot table.
 
 One tensor pair for all layers, batch dimension kept, slot index == token
 position. Writing is an in-place `index_copy_` at the given positions, so the
@@ -14,6 +14,17 @@ import torch.nn.functional as F
 
 from .errors import Eagle3Error
 from .kernels import row_invariant_attention
+
+_SLOTS: dict[torch.device, torch.Tensor] = {}
+
+
+def slots_upto(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """arange(n) as a slice of a shared table: no allocation per decoding step."""
+    device = torch.device(device)
+    table = _SLOTS.get(device)
+    if table is None or table.shape[0] < n:
+        table = _SLOTS[device] = torch.arange(max(n, 4096), device=device)
+    return table[:n]
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

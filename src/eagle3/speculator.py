@@ -34,7 +34,7 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
     check_num_draft_tokens,
     check_stop_ids,
 )
-from .decoding.round import Sequence, empty_stats, prefill, run_round, size_stats
+from .decoding.round import SequenceState, empty_stats, prefill, run_round, size_stats
 from .decoding.sampling import Sampler
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
 from .decoding.types import Plan
@@ -180,7 +180,7 @@ class Eagle3Speculator:
 
     @contextmanager
     def _probe_rows(self, B: int, positions: Any):
-        yield [Sequence("probe", [0], 1, frozenset())] if B == 1 else None
+        yield [SequenceState("probe", [0], 1, frozenset())] if B == 1 else None
 
     def calibrate(self) -> RoundCosts:
         """Measure the cost model on this machine and backend (`eagle3.load` does, for a head:
@@ -191,9 +191,8 @@ class Eagle3Speculator:
         if self.costs is None:
             max_T = max(1, min(self.max_auto_k + 1, self.max_seq_len - 3))  # a tiny context: fewer
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
+            self.backend.warm(max_T - 1, context)  # compiled: no compiling inside a generation
             self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context)
-            if self.backend.fused_chain is not None and self.draft is not None:
-                self.backend.warm_chains(self.max_auto_k, context)  # no compiling inside a generation
         return self.costs
 
     @property
@@ -266,7 +265,7 @@ class Eagle3Speculator:
         """Decode a checked request (`check`) on this speculator's backend."""
         plan, automatic = self._first_plan(req)
         sampler = None if req.sampling.greedy else Sampler(req.sampling, self.target_device)
-        seq = Sequence("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
+        seq = SequenceState("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
                        drafts=self.draft is not None)
         stats = seq.stats
         if self.draft is not None:

@@ -1,11 +1,19 @@
 """What a speculative round needs from the models, and the batch-1 backend behind `generate`.
 
-A round (`decoding.round`) asks a backend for two forwards and one cache edit:
+A round (`decoding.round`) asks a backend for drafts, one forward and one cache edit:
 
+    draft_chain(rows, k, counts) / draft_tree(rows, shape, counts)
+                                                  -> a `Proposal` per group of rows (catch-up
+                                                     included; `decoding.drafting.EagerDrafting`
+                                                     builds both on the backend's `draft`)
     target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), features (B, T, H) | None
     draft(seqs, tokens (B, T), feats, layout)      -> draft logits (B, T, Vd), next features (B, T, H)
     compact(seq, src positions, dst)              -> the target K/V of an accepted tree path moved
                                                      to contiguous positions
+
+How a backend runs them is its own affair: a compiled `StaticBackend` fuses a greedy
+chain (catch-up included) or a tree into one graph where the shapes allow and keeps one
+graph per K, and the round never knows.
 
 `decoding.layout.Layout` says where each row's T tokens go and what they may see, in
 positions of that row's own sequence, so one description serves a chain, a tree, a
@@ -13,9 +21,9 @@ sampled chain, a ragged batch and a sliding-window target. Rewinding is bookkeep
 round keeps (each sequence's `target_len` / `draft_len`): attention only reads
 positions below a query's, and later writes overwrite the rest.
 
-Backends: `StaticBackend` (one sequence, the preallocated `kv.StaticKVCache`s;
-`compile()` swaps its two step functions for `torch.compile`d ones), the engine's
-`engine.kv.PagedBackend` (many sequences over a page pool) and the exported
+Backends: `StaticBackend` (one sequence, the preallocated `cache.StaticKVCache`s;
+`compile()` swaps its step and drafting functions for `torch.compile`d ones), the engine's
+`engine.paged.PagedBackend` (many sequences over a page pool) and the exported
 program's `export.runtime.ProgramBackend`. Every tensor a backend builds lives on
 its `device`.
 """
@@ -26,10 +34,12 @@ from typing import Any, Protocol
 
 import torch
 
+from ..cache import slots_upto
 from ..errors import Eagle3Error
-from ..kernels import argmax
-from ..targets.decoder import slots_upto
-from .layout import Layout
+from .drafting import EagerDrafting, backlog, caught_up, chain_steps, draft_chain_proposal, draft_tree
+from .layout import Layout, causal_layout
+from .tree import TreeShape, chain_proposal
+from .types import Proposal
 
 # One compiled graph per (step, T, flags); dynamo's default limit (8) would make a
 # fullgraph compile raise in the middle of a generation.
@@ -42,16 +52,19 @@ class Backend(Protocol):
     device: torch.device
     max_len: int
     has_draft: bool
-    fixed_shapes: bool  # True: keep each round's shapes fixed (compiled steps, one graph per K)
-    fused_chain: Any  # None, or catch-up + a greedy chain in one call (`StaticBackend.compile`)
-    fused_tree: Any  # None, or a full-size tree draft in one call
+
+    def draft_chain(self, rows: list[Any], k: int, counts: list[int]) -> Proposal: ...
+
+    def draft_tree(self, rows: list[Any], shape: TreeShape, counts: list[int]) -> Proposal: ...
+
+    def warm(self, max_k: int, start: int) -> None: ...
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
                with_features: bool = True,
                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
-              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+              layout: Layout) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def compact(self, seq: Any, src: list[int], dst: int) -> None: ...
 
@@ -68,7 +81,7 @@ def region_mask(layout: Layout, T: int, device: torch.device) -> torch.Tensor:
     return (ar[None, :] <= ar[:, None])[None].expand(len(layout.starts), T, T)
 
 
-class StaticBackend:
+class StaticBackend(EagerDrafting):
     """One sequence on a target and head with preallocated static caches (batch 1).
 
     The target cache holds max_seq_len positions; the draft cache has room past it for a
@@ -88,11 +101,7 @@ class StaticBackend:
         self._target_step = self._eager_target
         self._draft_step = self._eager_draft
         self.compiled = False
-        # compile() adds a fused greedy chain (catch-up + K-1 draft steps) and a fused tree
-        # draft (every level), each one graph.
-        self.fused_chain: Any = None
-        self.fused_tree: Any = None
-        self.fixed_shapes = False
+        self._fused_chain: Any = None  # compile(): catch-up + a greedy chain as one graph
 
     # -- the two step functions (swapped by compile) --------------------------------------------
     def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
@@ -130,14 +139,14 @@ class StaticBackend:
         target = torch.compile(self._eager_target, fullgraph=True)
         draft = torch.compile(self._eager_draft, fullgraph=True)
         chain = torch.compile(self._chain_steps, fullgraph=True)
-        self.compiled = self.fixed_shapes = True
+        tree = torch.compile(self._tree_steps, fullgraph=True)
+        self.compiled = True
         self._target_step = lambda *a: target(*_dense(a[:6], {2: 0, 3: 1, 5: 0}), *a[6:])
         self._draft_step = lambda *a: draft(*_dense(a, {3: 0, 4: 1}))
         # The catch-up width R (tokens, feats, seed slots) follows the last round's acceptance:
         # dynamic, so each K keeps one graph for R >= 2 (R = 1 is specialized apart).
-        self.fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(
+        self._fused_chain = lambda tokens, feats, start, used, k: chain(*_dense(
             self._chain_args(tokens, feats, start, used, k), {0: 1, 1: 1, 2: 0, 3: 0}))
-        tree = torch.compile(self._tree_steps, fullgraph=True)
 
         def fused_tree(root: torch.Tensor, boundary: torch.Tensor, start: int, k: int, depth: int,
                        n: int) -> tuple[torch.Tensor, ...]:
@@ -145,8 +154,25 @@ class StaticBackend:
             p0 = torch.tensor([start], device=self.device)
             return tree(*_dense((root, boundary, p0, key_slots), {3: 0}), k, depth, n)
 
-        self.fused_tree = fused_tree
+        self.draft_chain = self._compiled_chain
+        self.draft_tree = lambda rows, shape, counts: draft_tree(self, rows, shape, counts, fused_tree)
         return self
+
+    def _compiled_chain(self, rows: list[Any], k: int, counts: list[int]) -> Proposal:
+        """A lone greedy row that has drafted before: its catch-up and a chain of K as one graph
+        (one per K: the catch-up runs over at least K + 1 rows, `backlog`'s padding, whatever the
+        last round accepted; the chain drafts all K though it may verify fewer near
+        max_new_tokens). Anything else, a prompt's catch-up included, drafts eagerly."""
+        s = rows[0]
+        if len(rows) > 1 or s.sampler is not None or not s.pending_ids or s.draft_len == 0:
+            return draft_chain_proposal(self, rows, counts)
+        n = len(s.pending_ids)
+        if s.draft_len + n + k - 1 > self.max_len:  # K steps would pass the cache's end
+            k = counts[0]
+        tokens, feats, caught = backlog([s], max(n, min(k + 1, self.max_len - s.draft_len)), self.device)
+        drafts, root, boundary = self._fused_chain(tokens, feats, s.draft_len, n - 1, k)
+        caught_up([s], root[None], boundary[None], caught)
+        return Proposal(*chain_proposal(drafts[:, :counts[0]]), q=[None], counts=counts, tree=False)
 
     def _tree_steps(self, root: torch.Tensor, boundary: torch.Tensor, p0: torch.Tensor,
                     key_slots: torch.Tensor, k: int, depth: int, n: int) -> tuple[torch.Tensor, ...]:
@@ -167,15 +193,27 @@ class StaticBackend:
         return expand_tree(step, self.draft_model.to_target_ids, root, boundary, [0], k, depth, n)
 
     @torch.no_grad()
-    def warm_chains(self, kmax: int, start: int) -> None:
-        """Compile the fused chain for every K in 1..kmax now (as automatic K may switch to any),
-        at positions from `start` (their contents are scratch, overwritten by the next prefill)."""
-        H = self.draft_model.config.hidden_size
-        feats = torch.zeros(1, kmax + 1, H, dtype=self.draft_model.dtype, device=self.device)
-        tokens = torch.zeros(1, kmax + 1, dtype=torch.long, device=self.device)
-        for k in range(1, kmax + 1):
-            for R in (1, k + 1):  # both graphs a K may need (see `compile`)
-                self.fused_chain(tokens[:, :R], feats[:, :R], start, 0, k)
+    def warm(self, max_k: int, start: int) -> None:
+        """Compiled: build every graph a round of up to `max_k` chain drafts uses now (verify and
+        draft forwards over 1..max_k + 1 tokens, the fused chain of every K), at positions from
+        `start` > 0 (scratch: the next prefill overwrites them), so a generation that switches K
+        never compiles. Eager: nothing to build."""
+        if not self.compiled:
+            return
+        probe = [None]
+        for T in range(1, (max_k + 1 if self.has_draft else 1) + 1):
+            tokens = torch.zeros(1, T, dtype=torch.long, device=self.device)
+            layout = causal_layout([start], T, device=self.device)
+            _, feats = self.target(probe, tokens, layout, with_features=self.has_draft)
+            if self.has_draft:
+                self.draft(probe, tokens, feats, layout)
+        if self.has_draft:
+            H = self.draft_model.config.hidden_size
+            feats = torch.zeros(1, max_k + 1, H, dtype=self.draft_model.dtype, device=self.device)
+            tokens = torch.zeros(1, max_k + 1, dtype=torch.long, device=self.device)
+            for k in range(1, max_k + 1):
+                for R in (1, k + 1):  # both graphs a K may need (see `compile`)
+                    self._fused_chain(tokens[:, :R], feats[:, :R], start, 0, k)
 
     def _chain_args(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, used: int,
                     k: int) -> tuple[torch.Tensor, ...]:
@@ -190,19 +228,18 @@ class StaticBackend:
                      step_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Catch up tokens (1, R) with features at `seed_slots`; from row `used` (the last real
         one; later rows are padding that the steps overwrite, causal attention never reading
-        them first) draft greedily one token per step slot. Returns drafts (1, k) in target
-        ids, the root logits (Vd,) and its feature (H,)."""
+        them first) draft greedily one token per step slot and one more (`chain_steps`).
+        Returns drafts (1, k) in target ids, the root logits (Vd,) and its feature (H,)."""
         draft = self.draft_model
         logits, h = draft(tokens, feats, seed_slots, self.draft_cache, key_slots=key_slots)
-        root, feat = logits.index_select(1, used), h.index_select(1, used)  # (1, 1, Vd), (1, 1, H)
-        ids = draft.to_target_ids(argmax(root))  # (1, 1)
-        out = [ids]
-        for i in range(step_slots.shape[0]):  # unrolled: k is static
-            step_logits, feat = draft(ids, feat, step_slots[i:i + 1], self.draft_cache,
-                                      key_slots=key_slots)
-            ids = draft.to_target_ids(argmax(step_logits))
-            out.append(ids)
-        return torch.cat(out, dim=1), root[0, 0], h.index_select(1, used)[0, 0]
+        root, feat = logits.index_select(1, used)[:, 0], h.index_select(1, used)  # (1, Vd), (1, 1, H)
+
+        def step(i: int, tok: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, feat = draft(tok[:, None], feat, step_slots[i:i + 1], self.draft_cache, key_slots=key_slots)
+            return out[:, 0], feat
+
+        drafts = chain_steps(step, draft.to_target_ids, root, feat, step_slots.shape[0] + 1)
+        return drafts, root[0], feat[0, 0]
 
     # -- the Backend protocol -------------------------------------------------------------------
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
@@ -231,9 +268,10 @@ class StaticBackend:
         return step(tokens, *self._place(layout, T), with_features, last_only)
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
-              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         slots, key_slots, mask, rope, _ = self._place(layout, tokens.shape[1])
-        step = self._eager_draft if prompt else self._draft_step  # the prompt's catch-up: eager
+        # A prompt's catch-up (the draft's first forward) stays eager: one graph per prompt length
+        step = self._eager_draft if layout.starts[0] == 0 else self._draft_step
         return step(tokens, features, slots, key_slots, mask, rope)
 
     def compact(self, seq: Any, src: list[int], dst: int) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from .backend import Backend
 from .layout import causal_layout
-from .round import Sequence
+from .round import SequenceState
 from .tree import TreeShape
 from .types import Plan
 
@@ -102,11 +102,9 @@ def fit_line(ms: list[float], at: list[int] | None = None) -> list[float]:
     return [a + b * t for t in range(n)]
 
 
-def probe_lengths(max_T: int, every: bool) -> list[int]:
-    """The tokens per row a calibration times: every T up to max_T (compiled steps, whose graphs
-    it also builds), else 1, 2, 3, the middle and max_T (the line through them is the model)."""
-    if every:
-        return list(range(1, max_T + 1))
+def probe_lengths(max_T: int) -> list[int]:
+    """The tokens per row a calibration times: 1, 2, 3, the middle and max_T (the line through
+    them is the model)."""
     return sorted({t for t in (1, 2, 3, (max_T + 1) // 2, max_T) if 1 <= t <= max_T})
 
 
@@ -120,7 +118,7 @@ def probe_batch_sizes(max_batch: int) -> list[int]:
 
 # rows(B, positions): B sequences with room for `positions` positions, or None when the
 # backend has no room for them (a full KV pool); released on exit.
-Rows = Callable[[int, int], AbstractContextManager[list[Sequence] | None]]
+Rows = Callable[[int, int], AbstractContextManager[list[SequenceState] | None]]
 
 
 class RoundCosts:
@@ -142,7 +140,7 @@ class RoundCosts:
         the `probe_lengths`: interleaved medians, then a line in T per batch size (`fit_line`).
         Batch sizes whose rows cannot be had (a full pool) are skipped."""
         t0 = time.perf_counter()
-        lengths = probe_lengths(max_T, backend.fixed_shapes)
+        lengths = probe_lengths(max_T)
         verify: dict[int, list[float]] = {}
         draft: dict[int, list[float]] = {}
         plain: dict[int, float] = {}
@@ -262,7 +260,7 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     return best
 
 
-def _time_batch(backend: Backend, seqs: list[Sequence], context: int, lengths: list[int],
+def _time_batch(backend: Backend, seqs: list[SequenceState], context: int, lengths: list[int],
                 repeats: int) -> tuple[list[float], list[float], float]:
     """(verify ms per T, draft ms per T, for T = 1..max(lengths); plain step ms) for these rows
     at `context`, measured at T in `lengths`."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..targets.decoder import slots_upto
+from ..cache import slots_upto
 
 
 @dataclass

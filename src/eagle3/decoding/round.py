@@ -1,15 +1,17 @@
 """One speculative round over a batch of sequences: the only decoding loop body in eagle3.
 
 `generate` runs it at batch 1 on a `StaticBackend`; the engine runs it over its
-page pool (`engine.kv.PagedBackend`). A sequence's anchor (its last token, emitted
+page pool (`engine.paged.PagedBackend`). A sequence's anchor (its last token, emitted
 but not yet in the target cache) sits at position P = `target_len`; the draft cache
 holds positions 0..P-1, its last output (`root` logits, `boundary` feature) predicts
 the token after the anchor. A round with `Plan(k, tree)`:
 
-    catch_up   teacher-force each row's pending tokens with their target features into
-               the draft: its new root and boundary
-    propose    a `Proposal` per row: k chain drafts (argmax, or sampled from the draft's
-               q for sampled rows), or a dynamic tree (`decoding.tree.expand_tree`)
+    draft      per group of rows sharing a plan, the backend's `draft_chain` / `draft_tree`
+               (`decoding.drafting`): teacher-force each row's pending tokens with their
+               target features into the draft (its new root and boundary), then a
+               `Proposal`: k chain drafts (argmax, or sampled from the draft's q for
+               sampled rows), or a dynamic tree (`decoding.tree.expand_tree`). How the
+               backend runs them (eager, or fused compiled graphs) is its own affair
     verify     one target forward over [anchor, nodes] per row, ancestor masks, RoPE
                positions P + depth
     accept     `decoding.accept.accept`: greedy path, or speculative / recursive-rejection
@@ -33,15 +35,14 @@ from typing import Any
 
 import torch
 
+from ..cache import slots_upto
 from ..errors import brief
 from ..kernels import argmax, prefill_matmuls
-from ..targets.decoder import slots_upto
 from .accept import accept
 from .backend import Backend
 from .layout import Layout, causal_layout
 from .profile import active
 from .sampling import Sampler
-from .tree import TreeShape, chain_proposal, expand_tree
 from .types import Plan, Proposal, Verdict
 
 
@@ -84,7 +85,7 @@ def emit(out: list[int], tokens: list[int], stop_ids: frozenset[int], max_new_to
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sequence's decoding state: what the round reads and advances."""
 
     id: str
@@ -114,17 +115,16 @@ class Sequence:
         return self.max_new_tokens - len(self.out)
 
 
-def grant(seq: Sequence, plan: Plan, max_len: int, fixed_shapes: bool = False) -> int:
-    """Draft nodes this row may verify this round (0: it decodes plainly). With `fixed_shapes`
-    (compiled steps: one graph per K) a chain keeps K up to the cache's end rather than
-    shrinking near max_new_tokens; the surplus drafts are verified and dropped, and not
-    counted in the stats."""
+def grant(seq: SequenceState, plan: Plan, max_len: int) -> int:
+    """Draft nodes this row may verify this round (0: it decodes plainly): a chain no more than
+    it may still emit past the next token, and the commit (<= nodes + 1 tokens) must fit the
+    cache."""
     if not plan.drafts or not seq.drafts or seq.root is None and not seq.pending_ids:
         return 0
-    fits = max_len - seq.target_len - 2  # the commit (<= nodes + 1 tokens) must fit the cache
+    fits = max_len - seq.target_len - 2
     if plan.tree is not None:
         return max(0, min(plan.tree.total_tokens, fits))
-    return max(0, min(plan.k, fits, fits if fixed_shapes else seq.room() - 1))
+    return max(0, min(plan.k, fits, seq.room() - 1))
 
 
 def draft_span(plan: Plan) -> int:
@@ -136,7 +136,7 @@ def draft_span(plan: Plan) -> int:
 
 # -- the steps ------------------------------------------------------------------------------------
 @torch.no_grad()
-def prefill(backend: Backend, seq: Sequence) -> int:
+def prefill(backend: Backend, seq: SequenceState) -> int:
     """The prompt's target forward: the first token; the prompt is queued for the draft, whose
     catch-up waits for the row's first drafting round (a row that only ever decodes plainly, as
     rows of a full batch often do, never pays for it)."""
@@ -160,144 +160,7 @@ def prefill(backend: Backend, seq: Sequence) -> int:
     return first
 
 
-def catch_up(backend: Backend, seqs: list[Sequence], alone_over: int | None = None) -> None:
-    """Feed each row's pending tokens and features to the draft: sets `root` and `boundary`.
-
-    Rows whose backlog exceeds `alone_over` tokens (after plain rounds: more than a round
-    commits) catch up on their own, so the batch is not padded to the longest backlog.
-    """
-    rows = [s for s in seqs if s.pending_ids]
-    for s in [s for s in rows if alone_over is not None and len(s.pending_ids) > alone_over]:
-        _catch_up_rows(backend, [s])
-    rows = [s for s in rows if s.pending_ids]
-    if rows:
-        _catch_up_rows(backend, rows)
-
-
-def backlog(rows: list[Sequence], width: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Each row's pending tokens (G, width) and features (G, width, H), padded to `width` by
-    repeating its last token and feature, and the real counts. The one packing every catch-up
-    uses; padding is never read first (attention is causal, later writes overwrite it)."""
-    counts = [len(s.pending_ids) for s in rows]
-    tokens = torch.tensor([s.pending_ids + s.pending_ids[-1:] * (width - n)
-                           for s, n in zip(rows, counts, strict=True)], device=device)
-    feats = []
-    for s, n in zip(rows, counts, strict=True):
-        f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
-        feats.append(torch.cat([f, f[-1:].expand(width - n, -1)]) if n < width else f)
-    return tokens, torch.stack(feats), counts
-
-
-def caught_up(rows: list[Sequence], roots: torch.Tensor, bounds: torch.Tensor, counts: list[int]) -> None:
-    """The draft has seen each row's backlog: its new root (Vd,) and boundary (H,)."""
-    for b, s in enumerate(rows):
-        s.root, s.boundary = roots[b], bounds[b]
-        s.draft_len += counts[b]
-        s.pending_ids, s.pending_feats = [], []
-
-
-def _catch_up_rows(backend: Backend, rows: list[Sequence]) -> None:
-    """One batched draft forward over these rows' backlogs (padded to the longest). A row whose
-    draft has seen nothing yet catches up its prompt: compiled backends run that call eagerly
-    (one shape per prompt length)."""
-    dev = backend.device
-    T = max(len(s.pending_ids) for s in rows)
-    tokens, feats, counts = backlog(rows, T, dev)
-    valid = counts if len(rows) > 1 else None  # the common case (generate): no padding
-    logits, h = backend.draft(rows, tokens, feats, causal_layout([s.draft_len for s in rows], T, valid, dev),
-                              prompt=any(s.draft_len == 0 for s in rows))
-    last = torch.tensor(counts, device=dev) - 1
-    idx = torch.arange(len(rows), device=dev)
-    caught_up(rows, logits[idx, last], h[idx, last], counts)  # (G, Vd), (G, H)
-
-
-def propose(backend: Backend, rows: list[Sequence], plan: Plan, counts: list[int]) -> Proposal:
-    """Draft each row's nodes: a tree for `plan.tree`, else a chain of plan.k (see `Plan`)."""
-    root = torch.stack([s.root for s in rows])  # (G, Vd)
-    boundary = torch.stack([s.boundary for s in rows])[:, None]  # (G, 1, H)
-    starts = [s.draft_len for s in rows]
-    if plan.tree is not None:
-        shape = plan.tree
-        # Deeper levels could not be committed (the round groups rows by this depth); RoPE
-        # positions are capped at the cache's end all the same.
-        depth = min(shape.depth, max(counts))
-        n = min(shape.total_tokens, TreeShape(shape.top_k, depth).max_nodes)  # >= every count
-        if backend.fused_tree is not None and len(rows) == 1 and depth == shape.depth:  # one graph
-            t = backend.fused_tree(root, boundary, starts[0], shape.top_k, depth, n)
-            return Proposal(*t, q=[None], counts=counts)
-        t = expand_tree(lambda tok, feat, lay: backend.draft(rows, tok, feat, lay),
-                        backend.to_target_ids, root, boundary, starts, shape.top_k, depth, n,
-                        [backend.max_len - 1 - p for p in starts])
-        return Proposal(*t, q=[None] * len(rows), counts=counts)
-    errors: dict[int, str] = {}
-    tokens, qs = draft_chain(backend, rows, root, boundary, starts, max(counts), counts, errors)
-    return Proposal(*chain_proposal(tokens), q=qs, counts=counts, errors=errors, tree=False)
-
-
-def fusable(backend: Backend, plan: Plan, rows: list[Sequence]) -> bool:
-    """Whether the backend's fused greedy chain (compiled steps) serves this group."""
-    return (backend.fused_chain is not None and plan.tree is None
-            and len(rows) == 1 and rows[0].sampler is None and bool(rows[0].pending_ids)
-            and rows[0].draft_len > 0)  # a prompt's catch-up is not a fixed shape
-
-
-def propose_fused(backend: Backend, s: Sequence, plan: Plan, count: int) -> Proposal:
-    """catch_up + a greedy chain of `count` drafts as one backend call. The catch-up runs over
-    at least plan.k + 1 rows (`backlog`'s padding), so a compiled backend keeps one graph per K
-    whatever the last round accepted."""
-    n = len(s.pending_ids)
-    tokens, feats, counts = backlog([s], max(n, min(plan.k + 1, backend.max_len - s.draft_len)),
-                                    backend.device)
-    drafts, root, boundary = backend.fused_chain(tokens, feats, s.draft_len, n - 1, count)
-    caught_up([s], root[None], boundary[None], counts)
-    return Proposal(*chain_proposal(drafts), q=[None], counts=[count], tree=False)
-
-
-def draft_chain(backend: Backend, rows: list[Sequence], root: torch.Tensor, boundary: torch.Tensor,
-                starts: list[int], k: int, counts: list[int] | None = None,
-                errors: dict[int, str] | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """k drafts per row (G, k): argmax for greedy rows; sampled rows draw from the draft's
-    distribution (the target's temperature / top-k / top-p) and keep q in the target vocabulary.
-    Row g needs only its first counts[g] drafts: its later steps are padding (never written).
-    A sampled row whose sampler raises drafts argmax from then on, its error in `errors`."""
-    errors = {} if errors is None else errors
-    dev = backend.device
-    sampled = [g for g, s in enumerate(rows) if s.sampler is not None]
-    V = None
-    if sampled:
-        vocab_ids = backend.to_target_ids(torch.arange(root.shape[-1], device=dev))  # (Vd,)
-        V = backend.vocab_size
-    logits, feat = root, boundary
-    drafts, qs = [], [[] for _ in rows]
-    for i in range(k):
-        ids = argmax(logits)  # (G,) draft vocabulary
-        if sampled:
-            ids = ids.clone()
-            for g in sampled:
-                if counts is not None and i >= counts[g] or g in errors:
-                    continue  # past this row's drafts: no draw, so its random stream is its own
-                sampler = rows[g].sampler
-                try:
-                    q_draft = sampler.probs(logits[g])  # (Vd,)
-                    ids[g] = sampler.sample(q_draft)
-                except Exception as e:  # this row's own sampler failed: it alone fails
-                    errors[g] = brief(e)
-                    continue
-                qs[g].append(q_draft.new_zeros(V).index_add_(0, vocab_ids, q_draft))
-        tok = backend.to_target_ids(ids)  # (G,)
-        drafts.append(tok)
-        if i < k - 1:
-            valid = None if counts is None or min(counts) > i + 1 else [int(c > i + 1) for c in counts]
-            out, feat = backend.draft(rows, tok[:, None], feat,
-                                      causal_layout([p + i for p in starts], 1, valid, dev))
-            logits = out[:, 0]
-    q = [torch.stack(qs[g]) if rows[g].sampler is not None and qs[g] else None
-         for g in range(len(rows))]
-    return torch.stack(drafts, dim=1), q
-
-
-def verify(backend: Backend, seqs: list[Sequence],
+def verify(backend: Backend, seqs: list[SequenceState],
            proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One target forward over [anchor, the row's nodes] per row: logits (B, T, V), features,
     and the verified tokens (B, T). Rows that do not draft verify their anchor alone."""
@@ -327,7 +190,7 @@ def verify(backend: Backend, seqs: list[Sequence],
     return logits, feats, tokens
 
 
-def commit(backend: Backend, seq: Sequence, verdict: Verdict, feats: torch.Tensor | None,
+def commit(backend: Backend, seq: SequenceState, verdict: Verdict, feats: torch.Tensor | None,
            b: int) -> None:
     """Advance one row past its verdict (see the module docstring); fills `verdict.new`."""
     P = seq.target_len
@@ -354,15 +217,14 @@ def commit(backend: Backend, seq: Sequence, verdict: Verdict, feats: torch.Tenso
 
 
 @torch.no_grad()
-def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdict]:
+def run_round(backend: Backend, seqs: list[SequenceState], plan: Plan) -> list[Verdict]:
     """The whole transaction for one round over `seqs` (none of them done): each row drafts by
     its own plan when it has one, else by `plan`; rows of one plan draft together, all verify
     in one target forward."""
     prof = active()
     prof.tic()
     plans = [s.plan or plan for s in seqs]
-    grants = [grant(s, p, backend.max_len, backend.fixed_shapes)
-              for s, p in zip(seqs, plans, strict=True)]
+    grants = [grant(s, p, backend.max_len) for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
         backend.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
     # Rows draft together when their drafts are the same function of their own state: one plan,
@@ -373,17 +235,13 @@ def run_round(backend: Backend, seqs: list[Sequence], plan: Plan) -> list[Verdic
         if n > 0:
             groups.setdefault((p, min(p.tree.depth, n) if p.tree else 0), []).append(b)
     proposals = []
-    if groups:
-        fused = {key for key, rows in groups.items() if fusable(backend, key[0], [seqs[b] for b in rows])}
-        catch_up(backend, [seqs[b] for key, rows in groups.items() if key not in fused for b in rows],
-                 alone_over=max(grants) + 1)
-        for key, rows in groups.items():
-            if key in fused:
-                proposal = propose_fused(backend, seqs[rows[0]], key[0], grants[rows[0]])
-            else:
-                proposal = propose(backend, [seqs[b] for b in rows], key[0], [grants[b] for b in rows])
-            proposal.rows = rows
-            proposals.append(proposal)
+    for (p, _), rows in groups.items():  # each group catches up and drafts in its backend's way
+        group, counts = [seqs[b] for b in rows], [grants[b] for b in rows]
+        proposal = (backend.draft_tree(group, p.tree, counts) if p.tree is not None
+                    else backend.draft_chain(group, p.k, counts))
+        proposal.rows = rows
+        proposals.append(proposal)
+    if proposals:
         prof.toc("draft", proposals[-1].tokens)
     logits, feats, tokens = verify(backend, seqs, proposals)
     verdicts = accept(seqs, logits, tokens, proposals)

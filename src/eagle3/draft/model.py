@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kv import StaticKVCache
+from ..cache import StaticKVCache, slots_upto
 from ..targets.config import RopeConfig
 from ..targets.decoder import (
     MLP,
@@ -28,7 +28,6 @@ from ..targets.decoder import (
     cached_attention,
     layer_op_args,
     one_op_ok,
-    slots_upto,
 )
 
 

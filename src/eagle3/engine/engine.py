@@ -37,12 +37,12 @@ from ..decoding.costs import (
     probe_batch_sizes,
 )
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
-from ..decoding.round import Sequence, prefill, run_round
+from ..decoding.round import SequenceState, prefill, run_round
 from ..decoding.sampling import Sampler
 from ..decoding.tree import TreeShape, parse_tree
 from ..decoding.types import Plan
 from ..errors import Eagle3Error, brief, notice
-from .kv import PagedBackend, PagePool
+from .paged import PagedBackend, PagePool
 from .request import DONE, Request, RequestState
 
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
@@ -150,7 +150,7 @@ class Engine:
         if B * pool.pages_for(positions) > pool.num_pages - pool.reserved:
             yield None
             return
-        seqs = [Sequence(f"probe-{b}", [0], 1, frozenset()) for b in range(B)]
+        seqs = [SequenceState(f"probe-{b}", [0], 1, frozenset()) for b in range(B)]
         try:
             for s in seqs:
                 pool.admit(s.id, positions)
@@ -193,6 +193,11 @@ class Engine:
             self.thread = None
         self.manual = False
         self._apply_aborts()  # when the thread never ran
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (None when the speculator was built without one)."""
+        return self.spec.tokenizer
 
     @property
     def kv_bytes(self) -> int:
@@ -240,7 +245,7 @@ class Engine:
             # Sampled requests under automatic plans draft a fixed chain, as generate does: their
             # draws then never depend on timings or on the batch they share.
             own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
-            r.seq = Sequence(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
+            r.seq = SequenceState(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
                              drafts=self.speculate, plan=own)
             self.waiting.append(r)
             self.lock.notify_all()

@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
+from ..cache import masked_attention, slots_upto
 from ..decoding.backend import region_mask
+from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
 from ..errors import Eagle3Error
-from ..kv import masked_attention
-from ..targets.decoder import slots_upto
 
 
 class PagePool:
@@ -197,7 +197,7 @@ def place(table: torch.Tensor, trash: int, layout: Layout, T: int,
     return write, read, rope.masked_fill(~valid, 0), mask[:, None], key_pos
 
 
-class PagedBackend:
+class PagedBackend(EagerDrafting):
     """Many sequences over one page pool: the engine's target and draft forwards.
 
     Sequences are named by their `id`; their pages come from `pool` (`PagePool.grow`
@@ -223,7 +223,6 @@ class PagedBackend:
                                dtype=draft.dtype, device=w.device)
         self._table, self._table_key, self._start = None, None, None
         self.supports_trees = True
-        self.fixed_shapes, self.fused_chain, self.fused_tree = False, None, None
 
     def _place(self, seqs: list[Any], layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
         rids = [s.id for s in seqs]
@@ -248,7 +247,7 @@ class PagedBackend:
         return logits, (self.draft_model.fuse(taps) if taps is not None else None)
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
-              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         write, read, rope, mask, _ = self._place(seqs, layout, tokens.shape[1])
         self.dkv.prepare(read, self._start)
         return self.draft_model(tokens, features, write, self.dkv, attn_mask=mask, rope_pos=rope,

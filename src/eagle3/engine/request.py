@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding.round import Sequence
+from ..decoding.round import SequenceState
 from ..decoding.sampling import SamplingParams
 
 
@@ -45,7 +45,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     abort_reason: str | None = None  # set by another thread; applied at the next round boundary
-    seq: Sequence | None = None  # the decoding state (engine thread; `decoding.round`)
+    seq: SequenceState | None = None  # the decoding state (engine thread; `decoding.round`)
     # -- timing and counters --
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None

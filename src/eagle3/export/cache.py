@@ -1,6 +1,6 @@
 """The KV cache inside an exported program: buffers in ExecuTorch's layout, its kernels.
 
-Eager and compiled decoding use `kv.StaticKVCache` (B, n_kv, S, hd) and SDPA over a
+Eager and compiled decoding use `cache.StaticKVCache` (B, n_kv, S, hd) and SDPA over a
 mask. An exported program instead keeps (B, S, n_kv, hd) buffers, mutated in place
 by `llama::update_cache`, and attends with `llama::custom_sdpa`, which is causal from
 `start_pos` and reads only slots 0..start_pos+T-1: the cost of a step grows with the

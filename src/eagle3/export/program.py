@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import Eagle3Error
 from ..files import atomic_dir, check_writable
-from .kv import ExportKVCache
+from .cache import ExportKVCache
 
 PROGRAM_FILE = "program.pte"
 META_FILE = "eagle3_program.json"

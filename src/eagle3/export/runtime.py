@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from ..cache import SlotBook
+from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
 from ..errors import Eagle3Error, notice
-from ..kv import SlotBook
 from ..speculator import Eagle3Speculator, GenerationResult
 from .program import CONTRACT_METHODS, EXTRA_METHODS, FORMAT_VERSION, META_FILE, PROGRAM_FILE
 
@@ -77,7 +78,7 @@ class ProgramHead:
         return SlotBook(max_len)
 
 
-class ProgramBackend:
+class ProgramBackend(EagerDrafting):
     """`decoding.backend.Backend` over a program's methods: one sequence, chains, greedy."""
 
     def __init__(self, methods: dict[str, Any], meta: dict[str, Any], speculate: bool) -> None:
@@ -88,7 +89,6 @@ class ProgramBackend:
         self.max_draft_tokens = meta["max_draft_tokens"]
         self.has_draft = speculate
         self.supports_trees = False
-        self.fixed_shapes, self.fused_chain, self.fused_tree = False, None, None
         self.target_cache = SlotBook(self.max_len)  # the contract methods' checks
         self.draft_cache = SlotBook(self.max_len) if speculate else None
 
@@ -130,7 +130,7 @@ class ProgramBackend:
         return self._scores(ids), feature
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
-              layout: Layout, *, prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         T = tokens.shape[1]
         ids, h = self.run("draft_step" if T == 1 else "draft_decode", tokens, features,
                           self._positions(layout, T))
@@ -286,7 +286,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
             try:
                 from executorch.runtime import Runtime
 
-                from .kv import load_custom_ops
+                from .cache import load_custom_ops
             except ImportError:
                 raise Eagle3Error("the executorch backend needs ExecuTorch: pip install "
                                   "'eagle3[export]'") from None

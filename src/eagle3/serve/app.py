@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from ..engine import Engine
 from ..errors import Eagle3Error, notice
 from .metrics import ServerMetrics
 from .protocol import (
@@ -105,12 +106,12 @@ class TextStream:
 class Generation:
     """One engine request seen from the event loop: text pieces, then the outcome."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, prompt_ids: list[int], max_tokens: int,
+    def __init__(self, engine: Engine, metrics: ServerMetrics, prompt_ids: list[int], max_tokens: int,
                  p: GenerateParams) -> None:
         self.engine, self.metrics = engine, metrics
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(engine.spec.tokenizer, p.stop)
+        self.text = TextStream(engine.tokenizer, p.stop)
         self.token_ids: list[int] = []  # generated ids, as counted in usage (a stop id included)
         self.prompt_tokens = len(prompt_ids)
         self.finish_reason: str | None = None
@@ -332,7 +333,7 @@ async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
     gen.close()
 
 
-def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = None,
+def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = None,
               max_body_bytes: int | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` (started by the caller) as `model_name`.
 
@@ -399,7 +400,7 @@ def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = Non
         p = parse_completion(parse_json(await body(request)), model_name, limits)
         ids = p.prompt_ids
         if p.prompt_text is not None:
-            tok = engine.spec.tokenizer
+            tok = engine.tokenizer
             if tok is None:
                 raise APIError(400, "this model ships no tokenizer, so a text prompt cannot be encoded; "
                                "send 'prompt' as a list of token ids", param="prompt")
@@ -412,7 +413,7 @@ def build_app(engine: Any, model_name: str, *, limits: ServerLimits | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         p = parse_chat(parse_json(await body(request)), model_name, limits)
-        tok = engine.spec.tokenizer
+        tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model ships no tokenizer, so chat messages cannot be encoded; use "
                            "/v1/completions with token ids", param="messages")

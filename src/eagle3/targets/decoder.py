@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache import StaticKVCache, slots_upto
 from ..kernels import FMT_ID, QLinear, fused_step_ok, in_prefill
-from ..kv import StaticKVCache
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
 from .protocol import default_taps, validate_taps
 
@@ -37,18 +37,6 @@ class RMSNorm(nn.Module):
         if self.gemma:
             return (h * (1.0 + self.weight.float())).type_as(x)
         return self.weight * h.to(x.dtype)
-
-
-_SLOTS: dict[torch.device, torch.Tensor] = {}
-
-
-def slots_upto(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """arange(n) as a slice of a shared table: no allocation per decoding step."""
-    device = torch.device(device)
-    table = _SLOTS.get(device)
-    if table is None or table.shape[0] < n:
-        table = _SLOTS[device] = torch.arange(max(n, 4096), device=device)
-    return table[:n]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +106,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      cache: StaticKVCache, layer: int, kv_len: int, scale: float | None = None,
                      softcap: float | None = None) -> torch.Tensor:
     """RoPE, then the cache's one attention entry point (`attend`: write K/V at `input_pos`,
-    attend over slots [0, kv_len) under `mask`), whatever the cache: static (`kv.StaticKVCache`),
-    paged (`engine.kv.PagedKV`) or an exported program's (`export.kv.ExportKVCache`).
+    attend over slots [0, kv_len) under `mask`), whatever the cache: static (`cache.StaticKVCache`),
+    paged (`engine.paged.PagedKV`) or an exported program's (`export.cache.ExportKVCache`).
 
     q (B, T, nh, hd), k/v (B, T, nkv, hd), mask (T, kv_len) bool -> (B, T, nh*hd).
     The engine's ragged batches pass per-row cos/sin (B, T, hd), a (B, 1, T, kv_len)
@@ -482,7 +470,7 @@ class NativeTarget(nn.Module):
         `key_pos` (kv_len,): the positions of the keys in those slots, for sliding windows
         (default: the slots themselves; a tree's node slots run ahead of their positions).
         `taps`: the layers to tap (default `tap_layers`), so speculators sharing one target
-        never change its state. The engine's paged backend (`engine/kv.py`) calls this with
+        never change its state. The engine's paged backend (`engine/paged.py`) calls this with
         per-row (B, T) write slots as `input_pos`, (B, T) `rope_pos`, a (B, 1, T, S)
         `attn_mask`, (B, S) `key_pos` and its paged cache.
         """

@@ -398,7 +398,7 @@ def train_draft(args: TrainArgs) -> dict:
     for p in head.embed_tokens.parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    held = held_out(samples, args.eval_tokens, args.seed) if args.eval_every else []
+    held = held_out(samples, args.eval_tokens) if args.eval_every else []
     train_idx = sorted(set(range(len(samples))) - set(held))  # held-out samples are never trained on
     steps_per_epoch = max(1, len(train_idx) // args.batch)
     total = min(args.max_steps or 10 ** 12, steps_per_epoch * args.epochs)
@@ -545,14 +545,17 @@ def readout_from_target(head: Eagle3Draft, target, ids: torch.Tensor) -> None:
         head.norm.weight.copy_(w + 1.0 if norm.gemma else w)  # the head's norm scales by w alone
 
 
-def held_out(samples: list[Sample], tokens: int, seed: int) -> list[int]:
-    """Whole samples (a seeded draw) holding >= `tokens` response tokens, at most a tenth of
-    them, for the simulated tau; none below 20 samples (too few to spare)."""
+def held_out(samples: list[Sample], tokens: int) -> list[int]:
+    """Whole samples holding >= `tokens` response tokens, at most a tenth of them, for the
+    simulated tau; none below 20 samples (too few to spare). They are the first samples in the
+    order of a hash of their tokens, so the set is the same for every seed, and when a campaign's
+    next stage adds data a new sample can only push a held-out one into training, never the
+    reverse: a sample some stage trained on is never held out by a later one."""
     if tokens <= 0 or len(samples) < 20:
         return []
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    digest = [hashlib.sha256(s.tokens.to(torch.int64).numpy().tobytes()).digest() for s in samples]
     out, have = [], 0
-    for i in order[:len(samples) // 10]:
+    for i in sorted(range(len(samples)), key=digest.__getitem__)[:len(samples) // 10]:
         if have >= tokens:
             break
         out.append(i)
