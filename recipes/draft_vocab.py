@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def answers(prompt_set: str, limit: int, cache: Path) -> torch.Tensor:
     """The default target's greedy answer tokens (128 new tokens) to `limit` prompts of a set."""
-    from eagle3.cli.bench import read_prompt_records
+    from eagle3.bench.prompts import read_prompt_records
     from eagle3.targets import load_target
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import prompt_from_record, regenerate

@@ -22,7 +22,7 @@ import time
 import torch
 
 import eagle3
-from eagle3.kernels import BLOCK, FMT_ID, QLinear, cpu_name, isa_paths, prefill_matmuls, use_isa
+from eagle3.kernels import BLOCK, FMT_ID, QLinear, cpu_name, isa_paths, use_isa
 
 ROWS = (1, 2, 4, 8, 9, 12, 16)
 RUNS = 15
@@ -56,8 +56,7 @@ def main() -> None:
     nbytes = sum(q.nbytes for q in layers)
     target = eagle3.load("default", "none", quantize="auto").target
     cache = target.new_cache(1, 128)
-    with prefill_matmuls():
-        target(torch.arange(1, 65)[None], torch.arange(64), cache, kv_len=64, with_taps=False)
+    target(torch.arange(1, 65)[None], torch.arange(64), cache, kv_len=64, with_taps=False, prefill=True)
 
     def forward(T: int) -> None:
         target(torch.arange(1, T + 1)[None], torch.arange(64, 64 + T), cache, kv_len=64 + T, with_taps=False)

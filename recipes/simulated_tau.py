@@ -25,7 +25,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from eagle3.cli.bench import read_prompt_records
+    from eagle3.bench.prompts import read_prompt_records
     from eagle3.default import default_head_dir
     from eagle3.draft import attach_head, load_head
     from eagle3.targets import load_target

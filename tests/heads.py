@@ -18,10 +18,38 @@ right or wrong where asked:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from eagle3.draft import Eagle3Draft
 from eagle3.draft.model import DraftConfig
+
+
+@torch.no_grad()
+def random_head(target: Any, *, draft_vocab_size: int | None = None, seed: int = 0,
+                scale: float = 0.05, taps: tuple[int, ...] | None = None) -> Eagle3Draft:
+    """A seeded random head for `target` (a `TapTarget`); reduced vocab when draft_vocab_size < V."""
+    tcfg = target.config
+    H = tcfg.hidden_size
+    heads = max(1, H // 32)
+    V = tcfg.vocab_size
+    dv = draft_vocab_size or V
+    cfg = DraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=heads,
+                      num_key_value_heads=heads, head_dim=H // heads, vocab_size=V,
+                      draft_vocab_size=dv, target_hidden_size=H, taps=taps)
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3Draft(cfg, max_len=tcfg.max_seq_len, with_embedding=False)
+    for p in head.parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    if dv < V:
+        used = torch.sort(torch.randperm(V, generator=g)[:dv]).values
+        head.d2t.copy_(used - torch.arange(dv))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    return head.eval()
+
 
 # -- a target whose attention matters, and heads scripted along its greedy runs ---------------------
 

@@ -16,9 +16,10 @@ from eagle3.bench.harness import run_bench
 from eagle3.bench.report import markdown
 from eagle3.cli.bench import parse_ks
 from eagle3.decoding.costs import AUTO_MAX_K, PRIOR_ACCEPT, Acceptance, RoundCosts, choose_plan, repick_now
+from eagle3.decoding.planner import EXPLORE_PLAIN, PROBE_EVERY
 from eagle3.decoding.types import Plan
 from eagle3.draft import attach_head, save_head
-from eagle3.speculator import EXPLORE_PLAIN, PROBE_EVERY, Eagle3Speculator
+from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import save_context_target, scripted_head
 
@@ -194,8 +195,8 @@ def test_load_measures_the_cost_model_before_any_generation(target, tmp_path):
     assert eagle3.load(target, str(tmp_path / "head"), calibrate=False).costs is None
     # Eager calibration times the verify at five lengths and fits the line through them.
     lazy = eagle3.load(target, str(tmp_path / "head"), calibrate=False)
-    seen, verify = set(), lazy.backend.target
-    lazy.backend.target = lambda seqs, tokens, layout, **kw: (seen.add(tokens.shape[1]),
+    seen, verify = set(), lazy.runner.target
+    lazy.runner.target = lambda seqs, tokens, layout, **kw: (seen.add(tokens.shape[1]),
                                                               verify(seqs, tokens, layout, **kw))[1]
     lazy.calibrate()
     assert seen == {1, 2, 3, 5, 9}

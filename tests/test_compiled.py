@@ -18,11 +18,11 @@ from conftest import make_hf_model
 from eagle3.decoding.costs import RoundCosts
 from eagle3.decoding.layout import causal_layout
 from eagle3.decoding.types import Plan
-from eagle3.draft import attach_head, random_head
+from eagle3.draft import attach_head
 from eagle3.kernels import kernel_available
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import save_context_target, scripted_head
+from heads import random_head, save_context_target, scripted_head
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 48
@@ -134,7 +134,7 @@ def test_compiled_auto_k_rising_and_falling_mid_generation(dirs, monkeypatch):
     spec = Eagle3Speculator(t, head).compile()
     spec.costs = RoundCosts({1: [1.0] * 9}, {1: [0.1] * 9}, {1: 1.0})
     choices = itertools.cycle([2, 5, 1, 4, 3])
-    monkeypatch.setattr(spec, "_auto_plan", lambda: Plan(next(choices)))
+    monkeypatch.setattr(spec.planner, "choose", lambda B: Plan(next(choices)))
     seen = set()
     for p in ps:
         n = MAX_LEN - len(p)  # to the cache's end
@@ -169,7 +169,7 @@ def test_compiled_tree_is_lossless_to_the_cache_end(dirs, mode):
     spec, eager = Eagle3Speculator(t, head).compile(), Eagle3Speculator(t, head)
     shape = {"top_k": 3, "depth": 4, "total_tokens": 9}
     verified = []
-    backend = spec.backend
+    backend = spec.runner
     real_verify = backend._target_step
     backend._target_step = lambda *a: verified.append(a[3] is not None) or real_verify(*a)
     for i, p in enumerate(ps):
@@ -209,7 +209,7 @@ def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
     assert spec.generate(p, 8, stop_token_ids=[]).token_ids == plain(t, p, 8)
     counters.clear()
     choices = itertools.cycle([8, 1, 5, 2, 7, 3, 6, 4])
-    monkeypatch.setattr(spec, "_auto_plan", lambda: Plan(next(choices)))
+    monkeypatch.setattr(spec.planner, "choose", lambda B: Plan(next(choices)))
     for n in (30, MAX_LEN - len(p)):
         assert spec.generate(p, n, stop_token_ids=[]).token_ids == plain(t, p, n)
     assert counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])
@@ -226,7 +226,7 @@ def test_compiled_verify_rows_equal_decode_rows_in_each_format(dirs, quantize):
     head = random_head(t, taps=(1, 3, 5), seed=4)
     attach_head(head, t)
     spec = Eagle3Speculator(t, head).compile()
-    b = spec.backend
+    b = spec.runner
     g = torch.Generator().manual_seed(0)
     prompt, new = torch.randint(1, 160, (1, 11), generator=g), torch.randint(1, 160, (1, 9), generator=g)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """The same decoding on every device this machine has: CPU always, CUDA when present.
 
-Every tensor the round builds lives on the target's device (`decoding.backend`); these
+Every tensor the round builds lives on the target's device (`decoding.runner`); these
 tests run generate (chains, trees, sampling) and the engine on each device against that
 device's own plain decoding, and CUDA's greedy tokens against the CPU's where they agree
 on the first step's argmax margin (float reductions differ across devices).

@@ -20,12 +20,12 @@ from eagle3 import Eagle3Error
 from eagle3.decoding import drafting
 from eagle3.decoding.costs import choose_plan
 from eagle3.decoding.round import Plan, run_round
-from eagle3.draft import attach_head, random_head
+from eagle3.draft import attach_head
 from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
 from eagle3.engine.paged import PagePool
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import save_context_target, scripted_head
+from heads import random_head, save_context_target, scripted_head
 
 V = 160
 
@@ -167,7 +167,7 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(ctx, mo
     reqs = [engine.submit(p, 30, stop_token_ids=[]) for p in ps]
     engine._admit()
     before = [r.seq.target_len for r in reqs]
-    verdicts = run_round(engine.backend, [r.seq for r in reqs], Plan(3))
+    verdicts = run_round(engine.runner, [r.seq for r in reqs], Plan(3))
     for v, r, n0 in zip(verdicts, reqs, before):
         assert v.accepted == accepted and len(v.new) == accepted + 1
         assert v.path == list(range(1, accepted + 1))
@@ -187,7 +187,7 @@ def test_transaction_commits_the_accepted_prefix_and_rolls_back_the_rest(ctx, mo
                                     with_taps=False)
     slots = engine.pool.slots[r.id][:len(seq)]
     for layer in range(spec.target.config.num_hidden_layers):
-        got = engine.backend.tkv.k[layer][slots]  # (n, nkv, hd)
+        got = engine.runner.tkv.k[layer][slots]  # (n, nkv, hd)
         torch.testing.assert_close(got, cache.k[layer][0, :, :len(seq)].transpose(0, 1), atol=1e-5, rtol=1e-5)
     engine.stop()
     assert engine.pool.used_tokens == 0
@@ -259,10 +259,10 @@ def test_a_failing_batched_forward_fails_its_batch_and_the_engine_goes_on(ctx):
     engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=2)).start(background=False)
     first = [engine.submit(p, 20, stop_token_ids=[]) for p in ps]
     engine._admit()
-    real = engine.backend.target
-    engine.backend.target = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    real = engine.runner.target
+    engine.runner.target = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
     engine.step()
-    engine.backend.target = real
+    engine.runner.target = real
     assert all(r.state == RequestState.FAILED and "device lost" in r.error for r in first)
     assert engine.pool.used_tokens == 0
     later = engine.submit(ps[0], 20, stop_token_ids=[])
@@ -566,17 +566,18 @@ def test_engine_automatic_plan_may_pick_the_tree(ctx):
 def test_engine_holds_a_plan_for_repick_every_rounds(ctx, monkeypatch):
     """As generate does, the engine re-chooses its plan every REPICK_EVERY rounds at one batch
     size, and at once when the batch size changes (a choice each round chases timing noise)."""
+    import eagle3.decoding.planner as planner_module
     import eagle3.engine.engine as engine_module
     from eagle3.decoding.costs import REPICK_EVERY
 
     spec = spec_for(ctx, "mixed", ps=[prompts(1, 4)[0], prompts(1, 5)[0]], n=60)
     engine = Engine(spec, EngineConfig(max_batch=2)).start(background=False)
     chosen, sizes = [], []  # the batch size of each choice and of each round
-    real_choose, real_round = engine_module.choose_plan, engine_module.run_round
-    monkeypatch.setattr(engine_module, "choose_plan", lambda costs, acc, B, *a, **kw:
+    real_choose, real_round = planner_module.choose_plan, engine_module.run_round
+    monkeypatch.setattr(planner_module, "choose_plan", lambda costs, acc, B, *a, **kw:
                         chosen.append(B) or real_choose(costs, acc, B, *a, **kw))
-    monkeypatch.setattr(engine_module, "run_round", lambda backend, seqs, plan:
-                        sizes.append(len(seqs)) or real_round(backend, seqs, plan))
+    monkeypatch.setattr(engine_module, "run_round", lambda runner, seqs, plan:
+                        sizes.append(len(seqs)) or real_round(runner, seqs, plan))
     first = engine.submit(prompts(1, 4)[0], 60, stop_token_ids=[])
     while engine.step():
         if len(sizes) == REPICK_EVERY + 3:  # mid-hold: a second request changes the batch size

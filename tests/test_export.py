@@ -16,12 +16,12 @@ import torch
 
 import eagle3  # noqa: E402
 from conftest import make_hf_model  # noqa: E402
-from eagle3.draft import attach_head, random_head, save_head  # noqa: E402
+from eagle3.draft import attach_head, save_head  # noqa: E402
 from eagle3.errors import Eagle3Error  # noqa: E402
 from eagle3.export import export_program  # noqa: E402
 from eagle3.speculator import Eagle3Speculator  # noqa: E402
 from eagle3.targets import load_target  # noqa: E402
-from heads import save_context_target, scripted_head  # noqa: E402
+from heads import random_head, save_context_target, scripted_head  # noqa: E402
 
 pytestmark = pytest.mark.slow
 V, MAX_LEN, K = 160, 64, 4
@@ -81,7 +81,7 @@ def test_exported_methods_equal_eager_methods(programs):
                                       kv_len=n + K + 1)
         dtok, h = spec.draft_decode(torch.cat([ids[:, 1:], tok.view(1, 1)], dim=1), f0, pos[:n], kv_len=n)
         step, h2 = spec.draft_decode(dtok[:, -1:], h[:, -1:], pos[n:n + 1], kv_len=n + 1)
-        spec.target.truncate_cache(spec.target_cache, n + 1)
+        spec.target_cache.truncate(n + 1)
         dec, f2 = spec.decode(vids[:, :1], pos[n + 1:n + 2], kv_len=n + 2)
         outs.append((tok, f0, vids, f1, dtok, h, step, h2, dec, f2))
     for a, b in zip(*outs):

@@ -79,8 +79,9 @@ def test_gguf_greedy_equals_transformers_generate(tmp_path):
 
 
 def test_gguf_speculation_is_lossless(tmp_path):
-    from eagle3.draft import attach_head, random_head
+    from eagle3.draft import attach_head
     from eagle3.speculator import Eagle3Speculator
+    from heads import random_head
 
     hf = make_hf_model("qwen3", seed=4, head_dim=128)
     path = str(tmp_path / "q3.gguf")

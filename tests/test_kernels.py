@@ -583,17 +583,18 @@ def test_gguf_format_keeps_the_files_codes(qtype, tmp_path):
     import gguf
     import numpy as np
 
-    from eagle3.draft import attach_head, random_head
+    from eagle3.draft import attach_head
     from eagle3.kernels import QLinear
     from eagle3.speculator import Eagle3Speculator
     from gguf_files import write_gguf
+    from heads import random_head
 
     wide = {"hidden_size": 256, "intermediate_size": 512} if qtype.endswith("_K") else {}
     hf = make_hf_model("llama", seed=8, **wide)
     path = str(tmp_path / f"m-{qtype}.gguf")
     write_gguf(hf, path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
     t = eagle3.load(path, "none", quantize="gguf").target
-    assert t.weight_format == "gguf" and t.gguf_blocks is None  # the codes were handed over
+    assert t.weight_format == "gguf" and not hasattr(t, "gguf_blocks")  # no codes ride on the model
     down = t.model.layers[0].mlp.down_proj
     assert isinstance(down, QLinear)
     expect = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}[qtype]
@@ -630,10 +631,11 @@ def test_a_tied_gguf_table_is_looked_up_in_its_codes(qtype, tmp_path):
     embedding shares that lookup, and decoding is unchanged and lossless."""
     import gguf
 
-    from eagle3.draft import attach_head, random_head
+    from eagle3.draft import attach_head
     from eagle3.speculator import Eagle3Speculator
     from eagle3.targets.decoder import CodesEmbedding
     from gguf_files import write_gguf
+    from heads import random_head
 
     path = str(tmp_path / f"tied-{qtype}.gguf")
     write_gguf(make_hf_model("llama_tied", seed=6), path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
@@ -698,21 +700,20 @@ def test_gguf_codes_only_load_equals_the_dequantizing_load(qtype, tmp_path):
     import gguf
 
     from eagle3.kernels import prepare_target
-    from eagle3.targets import load_gguf
+    from eagle3.targets import read_gguf_target
     from eagle3.targets.decoder import is_placeholder
-    from eagle3.targets.gguf import gguf_layers
     from gguf_files import write_gguf
 
     hf = make_hf_model("llama", seed=8)
     path = str(tmp_path / "m.gguf")
     write_gguf(hf, path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
-    lazy = load_gguf(path, codes_only=True)
+    lazy, lazy_codes = read_gguf_target(path, codes_only=True)
     stubs = [n for n, p in lazy.named_parameters() if is_placeholder(p)]
     assert any("qkv_proj" in n for n in stubs) and any("down_proj" in n for n in stubs)
     assert "model.embed_tokens.weight" not in stubs  # the lookup reads the real table
-    full = load_gguf(path)
-    for t in (lazy, full):
-        prepare_target(t, "gguf", None, gguf_layers(t))
+    full, full_codes = read_gguf_target(path)
+    for t, codes in ((lazy, lazy_codes), (full, full_codes)):
+        prepare_target(t, "gguf", None, codes.layers())
     a, b = lazy.state_dict(), full.state_dict()
     assert a.keys() == b.keys()
     for k in a:

@@ -17,8 +17,9 @@ import torch
 
 from conftest import make_hf_model
 from eagle3 import llamacpp
-from eagle3.draft import random_head, save_head
+from eagle3.draft import save_head
 from eagle3.targets import load_target
+from heads import random_head
 
 needs_sources = pytest.mark.skipif(llamacpp.sources() is None,
                                    reason=f"llama.cpp sources missing: {llamacpp.BUILD_HINT}")

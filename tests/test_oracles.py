@@ -67,15 +67,12 @@ def test_speculation_equals_transformers_greedy(ctx):
 def one_row_logits(target, prompt: list[int], prefix: list[int]) -> torch.Tensor:
     """The logits a lone sequence gets for the last token of `prefix` (which starts with
     `prompt`): the prompt's forward alone (as generate runs it: stock float kernels, see
-    `kernels.prefill_matmuls`), then one 1-row decode step per later token."""
-    from eagle3.kernels import prefill_matmuls
-
+    `forward_logits_taps(prefill=True)`), then one 1-row decode step per later token."""
     cache = target.new_cache(1, len(prefix) + 1)
     n = len(prompt)
     with torch.no_grad():
-        with prefill_matmuls():
-            logits, _ = target.forward_logits_taps(torch.tensor([prompt]), torch.arange(n), cache,
-                                                   kv_len=n, with_taps=False)
+        logits, _ = target.forward_logits_taps(torch.tensor([prompt]), torch.arange(n), cache,
+                                               kv_len=n, with_taps=False, prefill=True)
         for i in range(n, len(prefix)):
             logits, _ = target.forward_logits_taps(torch.tensor([prefix[i:i + 1]]), torch.tensor([i]),
                                                    cache, kv_len=i + 1, with_taps=False)
@@ -109,7 +106,7 @@ def test_engine_batched_verify_rows_equal_one_row_decodes(ctx, quantize, plan):
               EngineConfig(max_batch=4, tree=dict(top_k=2, depth=3, total_tokens=6), auto_plan=False))
     engine = Engine(spec, config).start(background=False)
     calls = []
-    real = engine.backend.target
+    real = engine.runner.target
 
     def target(seqs, tokens, layout, **kw):
         logits, feats = real(seqs, tokens, layout, **kw)
@@ -118,7 +115,7 @@ def test_engine_batched_verify_rows_equal_one_row_decodes(ctx, quantize, plan):
                           logits.clone()))
         return logits, feats
 
-    engine.backend.target = target
+    engine.runner.target = target
     reqs = [engine.submit(p, 12 + 2 * i, stop_token_ids=[]) for i, p in enumerate(ps)]  # ragged
     engine.run_until_idle()
     assert all(r.token_ids for r in reqs)

@@ -48,9 +48,10 @@ def test_gemma3_270m_served_by_the_engine():
     """The engine (paged KV, ragged batches) on Gemma 3 270M past its 512-token window, with a
     random head (none is trained for it) drafting chains and trees: greedy output equals
     plain decoding; plain batched decoding too."""
-    from eagle3.draft import attach_head, random_head
+    from eagle3.draft import attach_head
     from eagle3.engine import Engine, EngineConfig
     from eagle3.speculator import Eagle3Speculator
+    from heads import random_head
 
     t = eagle3.load("gemma-3-270m", "none", max_seq_len=640).target
     head = random_head(t, seed=1, scale=0.3)
@@ -74,9 +75,10 @@ def test_gemma3_270m_served_over_http():
     the window sent together: each answer's tokens equal plain decoding's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from eagle3.draft import attach_head, random_head
+    from eagle3.draft import attach_head
     from eagle3.engine import Engine, EngineConfig
     from eagle3.speculator import Eagle3Speculator
+    from heads import random_head
     from servers import Server
 
     t = eagle3.load("gemma-3-270m", "none", max_seq_len=640).target

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from eagle3.cli.bench import read_prompt_records
+from eagle3.bench.prompts import read_prompt_records
 from eagle3.errors import Eagle3Error
 from eagle3.targets import named
 from eagle3.train import sharegpt

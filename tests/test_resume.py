@@ -335,8 +335,9 @@ program.export_program(spec, out, max_seq_len=32, max_draft_tokens=2, tokenizer_
 
 @pytest.mark.slow
 def test_export_killed_while_writing_leaves_no_partial_out_and_a_rerun_succeeds(target, tmp_path):
-    from eagle3.draft import random_head, save_head
+    from eagle3.draft import save_head
     from eagle3.export.program import META_FILE, PROGRAM_FILE
+    from heads import random_head
 
     head, tok, out = tmp_path / "head", tmp_path / "tok", tmp_path / "program"
     save_head(random_head(load_target(target[0], max_seq_len=32), seed=1), str(head), "speculators")

@@ -80,7 +80,7 @@ def test_soak_with_faults(tmp_path, monkeypatch):
     engine = Engine(spec, EngineConfig(max_batch=8, max_queue=64, num_draft_tokens=3,
                                        request_timeout_s=2.0)).start()
     faults = Faults(1234)
-    tkv = engine.backend.tkv
+    tkv = engine.runner.tkv
     real_update = tkv.update
 
     def update(layer, *args, **kwargs):  # the fault strikes after this layer's rows are written

@@ -23,11 +23,11 @@ import eagle3
 from conftest import make_hf_model
 from eagle3.decoding.drafting import catch_up, draft_chain
 from eagle3.decoding.round import Plan, SequenceState, grant, prefill
-from eagle3.draft import attach_head, random_head, save_head
+from eagle3.draft import attach_head, save_head
 from eagle3.engine import Engine, EngineConfig
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import save_context_target, scripted_head
+from heads import random_head, save_context_target, scripted_head
 
 V = 160
 
@@ -140,8 +140,8 @@ def test_heads_with_other_taps_share_one_target(dirs):
         with torch.no_grad():
             _, ref = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=taps)
         torch.testing.assert_close(feat, spec.draft.fuse(ref))
-    assert (sa.backend.taps, sb.backend.taps) == ((1, 3, 5), (0, 2, 4))
-    assert Engine(sb, EngineConfig(max_batch=1, num_draft_tokens=2)).backend.taps == (0, 2, 4)
+    assert (sa.runner.taps, sb.runner.taps) == ((1, 3, 5), (0, 2, 4))
+    assert Engine(sb, EngineConfig(max_batch=1, num_draft_tokens=2)).runner.taps == (0, 2, 4)
     greedy = plain_tokens(t, prompt[0].tolist(), 16)
     assert sa.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy
     assert sb.generate(prompt[0].tolist(), 16, num_draft_tokens=3).token_ids == greedy
@@ -155,11 +155,11 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     prompt = torch.tensor([prompts(1, 7, 12, 13)[0]])
     n = prompt.shape[1]
     seq = SequenceState("s", prompt[0].tolist(), 20, frozenset())
-    tok = prefill(spec.backend, seq)  # the prompt's forward; the draft's catch-up waits
+    tok = prefill(spec.runner, seq)  # the prompt's forward; the draft's catch-up waits
     assert (seq.draft_len, seq.target_len, len(seq.pending_ids)) == (0, n, n)
-    catch_up(spec.backend, [seq])
+    catch_up(spec.runner, [seq])
     assert seq.draft_len == seq.target_len == n and not seq.pending_ids
-    drafts, _ = draft_chain(spec.backend, [seq], seq.root[None], seq.boundary[None, None], [n], 5)
+    drafts, _ = draft_chain(spec.runner, [seq], seq.root[None], seq.boundary[None, None], [n], 5)
     with torch.no_grad():
         _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
     feat = head.fuse(taps)
@@ -194,7 +194,7 @@ def test_the_round_drafts_through_the_backend_alone(dirs, monkeypatch):
 
     def oracle(decoy: bool):
         def draft_chain(rows, k, counts):
-            catch_up(spec.backend, rows)
+            catch_up(spec.runner, rows)
             asked.append((k, counts[0]))
             i = rows[0].draft_len - len(prompt)  # the anchor is full[i]
             true = full[i + 1:i + 1 + counts[0]]
@@ -204,7 +204,7 @@ def test_the_round_drafts_through_the_backend_alone(dirs, monkeypatch):
 
     for decoy in (False, True):
         asked.clear()
-        monkeypatch.setattr(spec.backend, "draft_chain", oracle(decoy))
+        monkeypatch.setattr(spec.runner, "draft_chain", oracle(decoy))
         r = spec.generate(prompt, new, num_draft_tokens=4, stop_token_ids=[])
         assert r.token_ids == full
         assert r.stats["accepted_tokens"] == (0 if decoy else new - 1 - r.stats["rounds"])

@@ -143,7 +143,7 @@ def test_truncate_then_reforward_matches_fresh(checkpoints, name, backend, trunc
     t.forward_logits_taps(prompt, torch.arange(12), cache)
     t.forward_logits_taps(junk, torch.arange(12, 17), cache)  # speculative tokens, rejected
     if truncate:
-        t.truncate_cache(cache, 12)
+        cache.truncate(12)
         assert cache.length <= 12
     logits, taps = t.forward_logits_taps(new, torch.arange(12, 17), cache)
     seq = torch.cat([prompt, new], 1)  # (1, 17)
@@ -163,7 +163,7 @@ def test_truncate_past_the_window(checkpoints, name, backend):
     cache = t.new_cache(1, 64)
     t.forward_logits_taps(prompt, torch.arange(24), cache, kv_len=24)
     t.forward_logits_taps(junk, torch.arange(24, 34), cache, kv_len=34)
-    t.truncate_cache(cache, 24)
+    cache.truncate(24)
     logits = []
     for i in range(10):
         p = 24 + i
@@ -255,7 +255,7 @@ def test_tree_mask_and_compact(checkpoints, name):
         close(taps[:, row], ref_taps[:, -1], what=f"{name} tree node {row} taps")
     # accept b, c: move their K/V from slots 13, 14 to 12, 13, then decode on
     cache.compact(torch.tensor([13, 14]), 12)
-    t.truncate_cache(cache, 14)
+    cache.truncate(14)
     y = rand_tokens(19, 1)
     logits, _ = t.forward_logits_taps(y, torch.arange(14, 15), cache, kv_len=15)
     ref, _ = oracle(model, torch.tensor([p + [b, c] + y[0].tolist()]))

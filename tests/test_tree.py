@@ -20,11 +20,11 @@ from eagle3.decoding.accept import greedy_path
 from eagle3.decoding.drafting import catch_up
 from eagle3.decoding.round import Proposal, SequenceState, prefill
 from eagle3.decoding.tree import DEFAULT_TREE, TreeShape, parse_tree, select_tree
-from eagle3.draft import attach_head, random_head
+from eagle3.draft import attach_head
 from eagle3.errors import Eagle3Error
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import save_context_target, scripted_head
+from heads import random_head, save_context_target, scripted_head
 
 V = 160
 SHAPES = [dict(top_k=1, depth=1, total_tokens=1), dict(top_k=2, depth=3, total_tokens=5),
@@ -160,9 +160,9 @@ def test_draft_tree_equals_stateless_recompute(dirs):
     prompt = torch.tensor([prompts(1, 5)[0] + [7, 9]])
     n = prompt.shape[1]
     seq = SequenceState("s", prompt[0].tolist(), 30, frozenset())
-    anchor = torch.tensor([[prefill(spec.backend, seq)]])
-    catch_up(spec.backend, [seq])
-    tree = spec.backend.draft_tree([seq], shape, [shape.total_tokens])
+    anchor = torch.tensor([[prefill(spec.runner, seq)]])
+    catch_up(spec.runner, [seq])
+    tree = spec.runner.draft_tree([seq], shape, [shape.total_tokens])
     _, taps = t.forward_logits_taps(prompt, torch.arange(n), t.new_cache(), taps=(1, 3, 5))
     feats = head.fuse(taps)  # (1, n, H)
     seed = torch.cat([prompt[:, 1:], anchor], dim=1)
@@ -364,7 +364,7 @@ def test_deep_paths_through_second_children_on_real_attention(dirs, name, monkey
     full = plain(t, prompt, new)
 
     def oracle_draft_tree(rows, shape, counts):
-        catch_up(spec.backend, rows)
+        catch_up(spec.runner, rows)
         i = rows[0].draft_len - n  # the anchor is full[i]
         true = full[i + 1:i + 1 + D]
         tokens = [(true[0] + 1) % V] + true  # node 1: a decoy; nodes 2..: the continuation
@@ -372,7 +372,7 @@ def test_deep_paths_through_second_children_on_real_attention(dirs, name, monkey
         m = min(counts[0], len(tokens))
         return oracle_tree(tokens[:m], parents[:m])
 
-    monkeypatch.setattr(spec.backend, "draft_tree", oracle_draft_tree)
+    monkeypatch.setattr(spec.runner, "draft_tree", oracle_draft_tree)
     r = spec.generate(prompt, new, tree=dict(top_k=2, depth=D, total_tokens=D + 1), stop_token_ids=[])
     assert r.token_ids == full
     assert r.stats["accept_len_hist"][D] >= 4  # full-depth paths through the second child

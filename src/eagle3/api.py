@@ -7,11 +7,11 @@ import os
 import torch
 
 from .errors import Eagle3Error, notice
-from .kernels import kernel_available, parse_quantize, prepare_target
+from .kernels import WeightFormat, prepare_target
 from .speculator import Eagle3Speculator
-from .targets import load_target, resolve_dtype
+from .targets import open_target, resolve_dtype
 from .targets.decoder import NativeTarget
-from .targets.gguf import check_built, gguf_layers, stored_quantized
+from .targets.gguf import check_built
 from .tokenizer import load_tokenizer
 
 
@@ -52,9 +52,9 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     if not isinstance(target, str) or not target:
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
     dev = resolve_device(device)
-    parse_quantize(quantize)  # a bad name fails before any loading
+    fmt = WeightFormat.parse(quantize)  # once: a bad name fails before any loading
     if backend == "executorch" or program is not None:
-        if quantize not in (None, "none", "auto"):
+        if fmt.named and fmt.fmt is not None:
             raise Eagle3Error("an exported program's weight format is chosen at export "
                               "(eagle3 export --quantize); drop quantize")
         if dev.type != "cpu":
@@ -76,13 +76,11 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if not os.path.isfile(os.path.join(draft, "config.json")):
             raise Eagle3Error(f"draft head {draft} has no config.json: pass an EAGLE-3 head "
                               "directory (official, SGLang or speculators format) or 'none'")
-    # Decided once, before loading: whether a GGUF's own codes will be used ('auto' takes them
-    # where the kernels run on a float32 CPU target); then its quantized layers are never
-    # built in float32.
-    codes_only = dev.type == "cpu" and (quantize == "gguf" or (
-        quantize == "auto" and resolve_dtype(dtype) == torch.float32 and kernel_available()))
-    tgt = load_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
-                      gguf_codes_only=codes_only)
+    # Decided once, before loading: whether a GGUF's own codes will be used; then its
+    # quantized layers are never built in float32.
+    codes_only = dev.type == "cpu" and fmt.takes_codes(resolve_dtype(dtype) == torch.float32)
+    tgt, codes = open_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
+                             gguf_codes_only=codes_only)
     if draft not in (None, "none"):
         _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
         attach_head(head, tgt, where=f"head {draft}", taps=taps)
@@ -91,18 +89,18 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
         if head is not None:
             head.to(dev)
     if isinstance(tgt, NativeTarget):
-        if quantize == "auto":  # a float GGUF or a safetensors checkpoint: float32
-            quantize = "gguf" if codes_only and stored_quantized(tgt) else None
-        prepare_target(tgt, quantize, head, gguf_layers(tgt))
+        # 'auto': a quantized GGUF's own codes; a float GGUF or a safetensors checkpoint: float32
+        fmt = fmt.settle(codes_only and codes is not None and codes.stored_quantized)
+        prepare_target(tgt, fmt, head, codes.layers() if codes is not None else None)
         if codes_only:
             tgt.embed_from_codes(head)  # a tied Q8_0 / Q4 table: no float32 copy
             check_built(tgt)
         return_freed_memory()
-    elif quantize not in (None, "none", "auto"):
+    elif fmt.named and fmt.fmt is not None:
         raise Eagle3Error("quantize needs the native backend (this target runs through "
                           "transformers); use backend='native' or 'auto'")
     if head is not None and not getattr(tgt, "exact", False):
-        notice(f"{inexact_reason(tgt, quantize, dev)}: the verify forward over K+1 tokens may round "
+        notice(f"{inexact_reason(tgt, fmt, dev)}: the verify forward over K+1 tokens may round "
                "differently from a 1-token step, so speculative output can differ from plain "
                "decoding at near-ties; a float32 native target on the CPU (quantize None, fp32, "
                "bf16, int8, int4 or gguf) is bit-identical")
@@ -118,11 +116,11 @@ def calibrated(spec: Eagle3Speculator, calibrate: bool) -> Eagle3Speculator:
     return spec
 
 
-def inexact_reason(target: object, quantize: str | None, device: torch.device) -> str:
+def inexact_reason(target: object, fmt: WeightFormat, device: torch.device) -> str:
     """Why a loaded target runs stock (not row-invariant) kernels, in a few words."""
     if not isinstance(target, NativeTarget):
         return "the transformers adapter runs stock PyTorch kernels"
-    if quantize == "none":
+    if fmt.fmt is None:
         return "quantize='none' runs stock PyTorch layers"
     if device.type != "cpu":
         return f"on {device.type} the target runs stock PyTorch kernels"

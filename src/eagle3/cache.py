@@ -114,11 +114,12 @@ class StaticKVCache(SlotBook):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                input_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
-        """Write k, v at `input_pos`; attend q over slots [0, kv_len) under `mask` (T, kv_len)."""
+               softcap: float | None = None, stock: bool = False) -> torch.Tensor:
+        """Write k, v at `input_pos`; attend q over slots [0, kv_len) under `mask` (T, kv_len).
+        `stock`: SDPA even on a row-invariant cache (a prompt's forward)."""
         keys, values = self.update(layer, input_pos, k, v)
         return masked_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], mask, scale, softcap,
-                                self.exact)
+                                self.exact and not stock)
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""

@@ -13,6 +13,11 @@ class Eagle3Error(ValueError):
     """A problem with the user's input; the message says what and how to fix it."""
 
 
+class NotNative(Eagle3Error):
+    """A checkpoint the native decoder cannot run (its family, RoPE or activation), though the
+    transformers adapter can: `load_target(backend='auto')` falls back to it."""
+
+
 def notice(message: str) -> None:
     """Tell the user something worth knowing (stderr, one line), without failing."""
     import sys

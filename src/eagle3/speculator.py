@@ -1,18 +1,11 @@
 """`Eagle3Speculator`: a target plus (optionally) an EAGLE-3 draft head.
 
-It checks a request, picks the plan, and runs `decoding.round` on its backend
-(`decoding.backend.StaticBackend` by default: one sequence, preallocated caches;
-compiled by `compile()`). The four ExecuTorch contract methods work on the same
-caches (batch dimension kept):
-
-    prefill(tokens, input_pos)               -> (token (B,), feature (B, T, H))
-    target_verify(tokens, input_pos)         -> (verify_ids (B, T), feature (B, T, H))
-    draft_decode(tokens, feature, input_pos) -> (target_ids (B, T), next_feature (B, T, H))
-    decode(tokens, input_pos)                -> (token (B,), feature (B, 1, H))
-
-Features are the fused H-wide draft features `fc(taps)`. The optional `kv_len` (a
-Python int) bounds attention to the live slots, an eager speed-up; without it the
-whole static cache is masked by position.
+It checks a request, picks the plan, and runs `decoding.round` on its runner
+(`decoding.runner.StaticRunner` by default: one sequence, preallocated caches;
+compiled by `compile()`). The four ExecuTorch contract methods (`prefill`,
+`target_verify`, `draft_decode`, `decode`) book their slots and run
+`contract.SpeculatorMethods` on the same caches (batch dimension kept): the one
+implementation, which `eagle3 export` also lowers.
 """
 
 from __future__ import annotations
@@ -24,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .decoding.backend import StaticBackend
-from .decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts, choose_plan, repick_now
+from .contract import SpeculatorMethods
+from .decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts
+from .decoding.planner import Generation, Planner
 from .decoding.request import (  # noqa: F401  (re-exported: the public request checks)
     MAX_NUM_DRAFT_TOKENS,
     SAMPLING_K,
@@ -34,19 +28,15 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
     check_num_draft_tokens,
     check_stop_ids,
 )
-from .decoding.round import SequenceState, empty_stats, prefill, run_round, size_stats
+from .decoding.round import SequenceState, prefill, run_round
+from .decoding.runner import StaticRunner
 from .decoding.sampling import Sampler
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
-from .decoding.types import Plan
+from .decoding.types import Plan, SpecStats
 from .errors import Eagle3Error, notice
-from .kernels import argmax
 from .targets.protocol import TapTarget, validate_taps
 
 CALIBRATION_CONTEXT = 128  # cache length the cost model is measured at
-PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
-EXPLORE_PLAIN = 8  # plain rounds automatic K runs once per speculator to time them
-PLAIN_SETTLE = 3  # plain rounds after drafting ones that are not timed: the head's forwards evicted
-#                   part of the target from the caches, and the next few steps refill them
 
 
 @dataclass
@@ -61,7 +51,7 @@ class Eagle3Speculator:
     """A target (`TapTarget`) and an optional EAGLE-3 draft head (with an embedding)."""
 
     def __init__(self, target: TapTarget, draft: Any = None, tokenizer: Any = None,
-                 backend: Any = None) -> None:
+                 runner: Any = None) -> None:
         if draft is not None and getattr(draft, "embed_tokens", None) is None:
             raise Eagle3Error("the draft head has no embedding; attach it to the target first "
                               "(eagle3.draft.attach_head) so it shares the target's table")
@@ -77,35 +67,52 @@ class Eagle3Speculator:
             if layers is not None:
                 self.taps = validate_taps(self.taps, layers)
         self.tokenizer = tokenizer
-        self._backend = backend
+        self._runner = runner
+        self._contract: Any = None
         self._warned_low_acceptance = False
-        self.costs: RoundCosts | None = None  # measured by calibrate()
-        self.acceptance = Acceptance(self.max_auto_k)
-        self.observed = Observed()  # measured round times against the cost model's
+        self.planner = Planner(self.max_auto_k)  # automatic K: costs measured by calibrate()
+
+    # The planner's state, as attributes of the speculator (tests and reports read them).
+    @property
+    def costs(self) -> RoundCosts | None:
+        return self.planner.costs
+
+    @costs.setter
+    def costs(self, costs: RoundCosts | None) -> None:
+        self.planner.costs = costs
+
+    @property
+    def acceptance(self) -> Acceptance:
+        return self.planner.acceptance
+
+    @property
+    def observed(self) -> Observed:
+        return self.planner.observed
 
     @property
     def max_seq_len(self) -> int:
         return self.target.config.max_seq_len
 
     @property
-    def backend(self) -> Any:
-        """The backend the rounds run on (created, with its caches, on first use)."""
-        if self._backend is None:
-            self._backend = StaticBackend(self.target, self.draft, self.taps,
-                                          MAX_TREE_DRAFT_SLOTS if self.draft is not None else 0)
-        return self._backend
+    def runner(self) -> Any:
+        """The runner the rounds run on (`decoding.runner.Runner`: the models' forwards, caches
+        and drafting; created, with its caches, on first use)."""
+        if self._runner is None:
+            self._runner = StaticRunner(self.target, self.draft, self.taps,
+                                        MAX_TREE_DRAFT_SLOTS if self.draft is not None else 0)
+        return self._runner
 
     @property
     def compiled(self) -> bool:
-        return bool(getattr(self.backend, "compiled", False))
+        return bool(getattr(self.runner, "compiled", False))
 
     @property
     def target_cache(self) -> Any:
-        return self.backend.target_cache
+        return self.runner.target_cache
 
     @property
     def draft_cache(self) -> Any:
-        return self.backend.draft_cache
+        return self.runner.draft_cache
 
     def reset_caches(self) -> None:
         """Start a new sequence for the contract methods: forget the caches' contents."""
@@ -113,30 +120,33 @@ class Eagle3Speculator:
         if self.draft_cache is not None:
             self.draft_cache.truncate(0)
 
-    # -- the ExecuTorch contract ---------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None,
-                 **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = tokens.shape[1]
-        self.target_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
-        if self.taps is not None:
-            kw["taps"] = self.taps
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       kv_len=kv_len, **kw)
-        return argmax(logits), (self.draft.fuse(taps) if taps is not None else None)
+    # -- the ExecuTorch contract (one implementation: contract.SpeculatorMethods) -----------------
+    @property
+    def contract(self) -> Any:
+        """The four contract methods over this speculator's caches (`contract.SpeculatorMethods`;
+        an exported program answers them from its lowered graphs)."""
+        if self._contract is None:
+            self._contract = SpeculatorMethods(self.target, self.draft, self.taps, self.target_cache,
+                                              self.draft_cache)
+        return self._contract
+
+    def _claim(self, cache: Any, input_pos: torch.Tensor, T: int, kv_len: int | None) -> None:
+        """Book the slots a contract call writes (host side), refusing a gap in the cache."""
+        cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                 kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over the prompt: next greedy token (B,) and features (B, T, H)."""
-        ids, feature = self._forward(tokens, input_pos, kv_len, last_only=True,
-                                     with_taps=self.draft is not None)
-        return ids[:, -1], feature
+        self._claim(self.target_cache, input_pos, tokens.shape[1], kv_len)
+        return self.contract.prefill(tokens, input_pos, kv_len)
 
     @torch.no_grad()
     def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                       kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over [anchor, drafts]: verify_ids[i] = greedy token after token i."""
-        return self._forward(tokens, input_pos, kv_len, with_taps=self.draft is not None)
+        self._claim(self.target_cache, input_pos, tokens.shape[1], kv_len)
+        return self.contract.target_verify(tokens, input_pos, kv_len)
 
     @torch.no_grad()
     def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, *,
@@ -144,19 +154,17 @@ class Eagle3Speculator:
         """Draft forward: T>1 seeds the draft cache, T=1 steps. Returns target ids and next features."""
         if self.draft is None:
             raise Eagle3Error("this speculator has no draft head (loaded with draft='none')")
-        T = tokens.shape[1]
-        self.draft_cache.claim(kv_len - T if kv_len is not None else int(input_pos[0]), T)
-        logits, h = self.draft(tokens, feature, input_pos, self.draft_cache, kv_len=kv_len)
-        return self.draft.to_target_ids(argmax(logits)), h
+        self._claim(self.draft_cache, input_pos, tokens.shape[1], kv_len)
+        return self.contract.draft_decode(tokens, feature, input_pos, kv_len)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One plain target step: next greedy token (B,) and its feature (None without a head)."""
-        ids, feature = self._forward(tokens, input_pos, kv_len, with_taps=self.draft is not None)
-        return ids[:, -1], feature
+        self._claim(self.target_cache, input_pos, tokens.shape[1], kv_len)
+        return self.contract.decode(tokens, input_pos, kv_len)
 
-    # -- backends and policy ---------------------------------------------------------------------
+    # -- the runner and policy ---------------------------------------------------------------------
     def compile(self) -> Eagle3Speculator:
         """Run the target and draft steps through `torch.compile` (native targets only).
 
@@ -164,17 +172,17 @@ class Eagle3Speculator:
         inductor caches kernels on disk for later processes). Forgets the cost model,
         which `calibrate()` then measures again on the compiled steps.
         """
-        self.backend.compile()
-        self.costs, self.observed = None, Observed()
+        self.runner.compile()
+        self.planner.forget_costs()
         return self
 
     @property
     def max_auto_k(self) -> int:
         """The largest K that num_draft_tokens='auto' may choose."""
-        return min(AUTO_MAX_K, getattr(self._backend, "max_draft_tokens", AUTO_MAX_K))
+        return min(AUTO_MAX_K, getattr(self._runner, "max_draft_tokens", AUTO_MAX_K))
 
     def plain(self) -> Eagle3Speculator:
-        """A speculator for plain decoding over the same target (and kind of backend), without the head."""
+        """A speculator for plain decoding over the same target (and kind of runner), without the head."""
         plain = Eagle3Speculator(self.target, None, self.tokenizer)
         return plain.compile() if self.compiled else plain
 
@@ -183,21 +191,21 @@ class Eagle3Speculator:
         yield [SequenceState("probe", [0], 1, frozenset())] if B == 1 else None
 
     def calibrate(self) -> RoundCosts:
-        """Measure the cost model on this machine and backend (`eagle3.load` does, for a head:
-        about a second on SmolLM2 here); automatic K needs it. Once per speculator, and again
+        """Measure the cost model on this machine and runner (`eagle3.load` does, for a head:
+        a few dozen forwards); automatic K needs it. Once per speculator, and again
         after `compile()`, when it also compiles every K's chain and verify, so a generation
         never compiles. A speculator built by hand and never calibrated measures it on its
         first automatic generation, before that generation's clock starts."""
         if self.costs is None:
             max_T = max(1, min(self.max_auto_k + 1, self.max_seq_len - 3))  # a tiny context: fewer
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
-            self.backend.warm(max_T - 1, context)  # compiled: no compiling inside a generation
-            self.costs = RoundCosts.measure(self.backend, self._probe_rows, [1], max_T, context)
+            self.runner.warm(max_T - 1, context)  # compiled: no compiling inside a generation
+            self.planner.measure(self.runner, self._probe_rows, [1], max_T, context)
         return self.costs
 
     @property
     def target_device(self) -> torch.device:
-        return self.backend.device
+        return self.runner.device
 
     # -- generation ------------------------------------------------------------------------------
     def check(self, prompt_ids: Any, max_new_tokens: Any, **kw: Any) -> GenerationRequest:
@@ -208,7 +216,7 @@ class Eagle3Speculator:
                                max_len=cfg.max_seq_len, eos_token_ids=cfg.eos_token_ids, **kw)
         speculative = self.draft is not None
         if speculative and (req.tree is not None or not req.sampling.greedy) and not getattr(
-                self.backend, "supports_trees", False):
+                self.runner, "supports_trees", False):
             raise Eagle3Error("tree drafting and speculative sampling need a native target (the "
                               "transformers adapter takes no tree mask); load with backend='native' "
                               "or use greedy chain drafting")
@@ -242,90 +250,59 @@ class Eagle3Speculator:
                          stop_token_ids=stop_token_ids)
         return self.run(req)
 
-    def _first_plan(self, req: GenerationRequest) -> tuple[Plan, bool]:
-        """The plan for the first round and whether it is automatic (re-chosen as we go)."""
+    def _first_plan(self, req: GenerationRequest) -> tuple[Plan, Generation | None]:
+        """The plan for the first round, and the planner's `Generation` when it is automatic
+        (re-chosen as we go; plain decoding is a candidate, the head re-probed now and then)."""
         if self.draft is None:
-            return Plan(), False
+            return Plan(), None
         if req.tree is not None:
-            return Plan(tree=req.tree), False
+            return Plan(tree=req.tree), None
         if not req.sampling.greedy:
-            return Plan(req.num_draft_tokens or SAMPLING_K), False
+            return Plan(req.num_draft_tokens or SAMPLING_K), None
         if req.num_draft_tokens is not None:
-            return Plan(req.num_draft_tokens), False
+            return Plan(req.num_draft_tokens), None
         self.calibrate()
-        return self._auto_plan(), True
-
-    def _auto_plan(self) -> Plan:
-        # Plain decoding is a candidate: where the head's acceptance does not pay for its rounds,
-        # automatic K decodes plainly (re-probing the head now and then, in `run`).
-        return choose_plan(self.costs, self.acceptance, 1, self.max_auto_k, observed=self.observed)
+        auto = self.planner.generation()
+        return auto.plan, auto
 
     @torch.no_grad()
     def run(self, req: GenerationRequest) -> GenerationResult:
-        """Decode a checked request (`check`) on this speculator's backend."""
-        plan, automatic = self._first_plan(req)
+        """Decode a checked request (`check`) on this speculator's runner."""
+        plan, auto = self._first_plan(req)
         sampler = None if req.sampling.greedy else Sampler(req.sampling, self.target_device)
         seq = SequenceState("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
-                       drafts=self.draft is not None)
+                            drafts=self.draft is not None)
         stats = seq.stats
         if self.draft is not None:
-            size_stats(stats, plan.tree.depth if plan.tree is not None else
-                       (self.max_auto_k if automatic else plan.k))
+            stats.size(plan.tree.depth if plan.tree is not None else
+                       (self.max_auto_k if auto is not None else plan.k))
             if plan.tree is not None:
-                stats["tree"] = plan.tree.as_dict()
+                stats.tree = plan.tree.as_dict()
             else:
-                stats["num_draft_tokens"] = plan.k
-        backend = self.backend
+                stats.num_draft_tokens = plan.k
+        runner = self.runner
         t0 = time.perf_counter()
-        prefill(backend, seq)
-        plain_rounds = explore = 0
-        explored = False
-        plain_streak = 0  # plain rounds in a row, this one included
+        prefill(runner, seq)
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
-            (v,) = run_round(backend, [seq], plan)
-            plain_streak = plain_streak + 1 if not plan.drafts else 0
+            (v,) = run_round(runner, [seq], plan)
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
-            if automatic and v.depths:
-                self.acceptance.record(len(v.depths), len(v.path))
-                if len(v.depths) == plan.k and typical:  # a full round (not one cut at the end)
-                    self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
-                                         self.costs.round_ms(1, plan))
-                if repick_now(stats["rounds"]):
-                    plan = self._auto_plan()
-                    if plan.drafts and not explored and not self.observed.seen(1, Plan()):
-                        # Plain rounds were never timed here: the calibration's few forwards can
-                        # misjudge them on a busy machine, and only a run puts them right.
-                        plan, explore, explored = Plan(), EXPLORE_PLAIN, True
-                    stats["num_draft_tokens"] = plan.k
-            elif automatic and not plan.drafts:
-                # Plain rounds teach nothing about the head (the draft's backlog is kept, so it
-                # can resume): every PROBE_EVERY of them, REPICK_EVERY rounds of K=1 measure
-                # its acceptance on this text again before the next choice.
-                plain_rounds += 1
-                if plain_streak > PLAIN_SETTLE:  # steady plain decoding, as plain would run
-                    self.observed.record(1, plan, (time.perf_counter() - t_round) * 1e3,
-                                         self.costs.round_ms(1, plan))
-                if explore:
-                    explore -= 1
-                    if not explore:
-                        plan = self._auto_plan()
-                elif plain_rounds % PROBE_EVERY == 0:
-                    plan = Plan(1)
-                stats["num_draft_tokens"] = plan.k
-        stats["seconds"] = time.perf_counter() - t0
+            if auto is not None:
+                plan = auto.after(v, stats.rounds, (time.perf_counter() - t_round) * 1e3, typical)
+                stats.num_draft_tokens = plan.k
+        stats.seconds = time.perf_counter() - t0
         if self.draft is not None:
             self._check_acceptance(stats)
-        return GenerationResult(seq.out, stats)
+        return GenerationResult(seq.out, stats.as_dict())
 
-    def _check_acceptance(self, stats: dict) -> None:
+    def _check_acceptance(self, stats: SpecStats) -> None:
         # A head paired with the wrong taps (e.g. SGLang's +1 ids) drafts garbage silently.
         # Judged on the first draft position (a tree verifies many nodes, accepts one path).
-        if self._warned_low_acceptance or stats["rounds"] < 32:
+        if self._warned_low_acceptance or stats.rounds < 32:
             return
-        rate = stats["accepted_per_position"][0] / stats["rounds"]
+        rate = stats.accepted_per_position[0] / stats.rounds
         if rate < 0.05:
             self._warned_low_acceptance = True
             notice(f"draft acceptance is near zero ({rate:.1%}): the head may belong to another "
@@ -333,4 +310,4 @@ class Eagle3Speculator:
                    "eagle_aux_hidden_state_layer_ids (SGLang-captured ids are off by one)")
 
 
-__all__ = ["Eagle3Speculator", "GenerationResult", "empty_stats"]
+__all__ = ["Eagle3Speculator", "GenerationResult"]

@@ -134,3 +134,43 @@ def read_saved_logits(path: str) -> dict[str, Any]:
     log_probs = floor[..., None] + scale[..., None] * q
     return {"n_ctx": n_ctx, "n_vocab": n_vocab, "tokens": tokens, "first": first,
             "log_probs": log_probs, "floor": floor}
+
+
+def arms_for(target: str, draft: str | None, spec: Any, max_new_tokens: int, ks: list[int],
+             notes: list[str]) -> dict:
+    """llama.cpp plain and EAGLE-3 (our head, converted by llama.cpp's converter) on the same
+    GGUF file; none, with a note saying why, when they cannot run."""
+    import os
+    import tempfile
+
+    import torch
+
+    from ..llamacpp import head_to_gguf
+    from ..targets import target_path
+
+    why = missing()
+    if why is None:
+        gguf = target_path(target)[1]
+        if gguf is None:
+            why = f"--target {target} is not a GGUF file (llama.cpp runs GGUF targets)"
+        elif spec.tokenizer is None:
+            why = "the target has no tokenizer (llama.cpp takes prompts as text)"
+    if why is not None:
+        notes.append(f"skipping llama.cpp: {why}")
+        return {}
+    threads = torch.get_num_threads()
+    tok = spec.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    arms = {"llama.cpp plain": completion_arm(gguf, max_new_tokens, threads, decode, tok.encode)}
+    if spec.draft is not None:
+        head = draft
+        if head is None:
+            from ..default import default_head_dir
+
+            head = default_head_dir()
+        head_gguf = os.path.join(tempfile.mkdtemp(prefix="eagle3-bench-"), "head.gguf")
+        head_to_gguf(head, head_gguf, target)
+        k = ks[0] if len(ks) == 1 else 3
+        arms[f"llama.cpp eagle3 K={k}"] = eagle3_arm(gguf, head_gguf, max_new_tokens, k, threads,
+                                                     decode, tok.encode)
+    return arms

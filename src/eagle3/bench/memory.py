@@ -51,7 +51,7 @@ def tensor_bytes(obj, depth=0):
 
 from eagle3.kernels import weight_bytes
 weights = weight_bytes(*(m for m in (spec.target, spec.draft) if isinstance(m, torch.nn.Module)))
-backend = spec.backend
+backend = spec.runner
 kv = tensor_bytes(backend.target_cache) + tensor_bytes(getattr(backend, "draft_cache", None))
 costs = getattr(spec, "costs", None)  # the cost model eagle3.load measured (a part of load_s)
 print(json.dumps({"load_s": load_s, "calibrate_s": costs.seconds if costs is not None else 0.0,
@@ -110,6 +110,30 @@ def llamacpp_memory(tool: str, gguf: str, prompt: str, max_new_tokens: int, thre
     return _ratios({"load_s": float(load.group(1)) / 1e3, "peak_rss_mb": int(rss.group(1)) / 1024,
                     "weights_mb": os.path.getsize(gguf) / 2**20,
                     "kv_cache_mb": float(kv[-1]), "max_seq_len": ctx})
+
+
+def memory_rows(target: str, draft: str | None, spec: Any, formats: list, prompt_ids: list[int],
+                max_new_tokens: int, with_llama_cpp: bool) -> dict:
+    """`--memory`: one fresh-process measurement per weight format, and llama.cpp's ."""
+    import torch
+
+    from ..llamacpp import binary
+    from ..targets import target_path
+    from . import llamacpp as lc
+
+    threads = torch.get_num_threads()
+    text = spec.tokenizer.decode(prompt_ids, skip_special_tokens=False) if spec.tokenizer else ""
+    draft = None if draft in (None, "default") else draft
+    rows = {}
+    for fmt in formats:  # named by the format the load resolved ("auto" -> gguf or float32)
+        row = eagle3_memory(target, draft, fmt, text, max_new_tokens, threads,
+                            max_seq_len=spec.max_seq_len)
+        rows[f"eagle3 {row['weight_format'] or 'stock'}"] = row
+    gguf = target_path(target)[1]
+    if with_llama_cpp and gguf is not None and lc.missing() is None:
+        rows["llama.cpp"] = llamacpp_memory(str(binary("llama-completion")), gguf, text, max_new_tokens,
+                                            threads, spec.max_seq_len)
+    return rows
 
 
 def markdown_memory(rows: dict[str, dict[str, Any]]) -> str:

@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 from ..errors import Eagle3Error
 
@@ -45,3 +46,64 @@ def prompt_set(name: str, limit: int | None = DEFAULT_LIMIT) -> list[tuple[str, 
     else:
         raise Eagle3Error(f"unknown prompt set '{name}'; use one of {', '.join(PROMPT_SETS)} or a file")
     return out[:limit] if limit else out
+
+
+BUILTIN_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
+]
+
+def read_prompt_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    """(where, record) per prompt of a named set (`bench/prompts.py`) or a .jsonl (prompt /
+    prompt_ids / messages) or text file; the first `limit` only when given."""
+    if limit is not None and limit < 1:
+        raise Eagle3Error(f"--limit must be >= 1, got {limit}")
+    if path in PROMPT_SETS:
+        return prompt_set(path, limit or DEFAULT_LIMIT)
+    p = Path(path)
+    if not p.is_file():
+        raise Eagle3Error(f"--prompts {path} does not exist; pass a .jsonl (prompt or prompt_ids per "
+                          "line) or a .txt (one prompt per line)")
+    lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if p.suffix != ".jsonl":
+            records.append((f"{path}:{n}", {"prompt": line}))
+            continue
+        try:
+            records.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError:
+            raise Eagle3Error(f"{path}:{n} is not valid JSON; each line must be an object with "
+                              "prompt or prompt_ids") from None
+    if not records:
+        raise Eagle3Error(f"--prompts {path} holds no prompts; give one per line")
+    return records[:limit] if limit else records
+
+
+def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    from ..default import default_prompts
+
+    if target == "default":
+        return read_prompt_records(default_prompts() or "sharegpt-heldout", limit)
+    return [(f"built-in prompt {i + 1}", {"prompt": text}) for i, text in enumerate(BUILTIN_PROMPTS)]
+
+
+def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -> list[list[int]]:
+    """Token ids per record, each checked against the target (vocabulary, length)."""
+    from ..decoding.request import check_generation
+    from ..train.data import prompt_from_record
+
+    cfg = spec.target.config
+    prompts = []
+    for where, rec in records:
+        ids = prompt_from_record(rec, spec.tokenizer, where)
+        try:
+            prompts.append(check_generation(ids, max_new_tokens, vocab_size=cfg.vocab_size,
+                                            max_len=cfg.max_seq_len, eos_token_ids=()).prompt)
+        except Eagle3Error as e:
+            raise Eagle3Error(f"{where}: {e}") from None
+    return prompts

@@ -11,14 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import Eagle3Error, notice
+from ..errors import Eagle3Error
 
-BUILTIN_PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "import os\n\n\ndef list_python_files(root):\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
-]
 DESCRIPTION = """\
 Benchmark in one process: plain decoding (this engine) against EAGLE-3 chain
 drafting for each K and tree drafting for each --tree shape, and transformers peers on the same target weights
@@ -173,13 +167,13 @@ def parse_formats(text: str | None) -> list[str | None]:
     return list(dict.fromkeys(words)) or [None]
 
 
-ENGINE_PEERS = ("llama.cpp", "vllm")  # other engines, run as separate programs
-PEER_ALIASES = {"transformers": "hf"}  # the issue's name for transformers' greedy generate
+PEER_ALIASES = {"transformers": "hf"}  # another name for transformers' greedy generate
 
 
 def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> list[str]:
     """The peers to run; the default skips them (with a note) when transformers is missing."""
     from ..bench import peers
+    from ..bench.ab import ENGINE_PEERS
 
     if text is None:
         names = ["hf", "lookup"] + (["assisted"] if assistant else [])
@@ -205,62 +199,6 @@ def parse_peers(text: str | None, assistant: str | None, notes: list[str]) -> li
     return names
 
 
-def read_prompt_records(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
-    """(where, record) per prompt of a named set (`bench/prompts.py`) or a .jsonl (prompt /
-    prompt_ids / messages) or text file; the first `limit` only when given."""
-    from ..bench.prompts import DEFAULT_LIMIT, PROMPT_SETS, prompt_set
-
-    if limit is not None and limit < 1:
-        raise Eagle3Error(f"--limit must be >= 1, got {limit}")
-    if path in PROMPT_SETS:
-        return prompt_set(path, limit or DEFAULT_LIMIT)
-    p = Path(path)
-    if not p.is_file():
-        raise Eagle3Error(f"--prompts {path} does not exist; pass a .jsonl (prompt or prompt_ids per "
-                          "line) or a .txt (one prompt per line)")
-    lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
-    records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if p.suffix != ".jsonl":
-            records.append((f"{path}:{n}", {"prompt": line}))
-            continue
-        try:
-            records.append((f"{path}:{n}", json.loads(line)))
-        except json.JSONDecodeError:
-            raise Eagle3Error(f"{path}:{n} is not valid JSON; each line must be an object with "
-                              "prompt or prompt_ids") from None
-    if not records:
-        raise Eagle3Error(f"--prompts {path} holds no prompts; give one per line")
-    return records[:limit] if limit else records
-
-
-def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[str, dict]]:
-    from ..default import default_prompts
-
-    if target == "default":
-        return read_prompt_records(default_prompts() or "sharegpt-heldout", limit)
-    return [(f"built-in prompt {i + 1}", {"prompt": text}) for i, text in enumerate(BUILTIN_PROMPTS)]
-
-
-def encode_prompts(records: list[tuple[str, dict]], spec, max_new_tokens: int) -> list[list[int]]:
-    """Token ids per record, each checked against the target (vocabulary, length)."""
-    from ..decoding.request import check_generation
-    from ..train.data import prompt_from_record
-
-    cfg = spec.target.config
-    prompts = []
-    for where, rec in records:
-        ids = prompt_from_record(rec, spec.tokenizer, where)
-        try:
-            prompts.append(check_generation(ids, max_new_tokens, vocab_size=cfg.vocab_size,
-                                            max_len=cfg.max_seq_len, eos_token_ids=()).prompt)
-        except Eagle3Error as e:
-            raise Eagle3Error(f"{where}: {e}") from None
-    return prompts
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; print the Markdown table; write --json / --plots."""
     notes: list[str] = []
@@ -282,85 +220,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.plots import check_matplotlib
 
         check_matplotlib()
+    from ..bench.prompts import default_prompt_records, read_prompt_records
+
     records = (read_prompt_records(args.prompts, args.limit) if args.prompts is not None
                else default_prompt_records(args.target, args.limit))
     if args.concurrency is not None:
         return _cmd_concurrency(args, records, ks, auto)
 
-    import torch
-
-    import eagle3
-
-    from ..bench import peers, vllm
-    from ..bench.harness import run_bench
+    from ..bench.ab import run_ab
     from ..bench.report import markdown
-    from ..default import default_target_dir
-    from ..targets import HFTarget, resolve_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    backends = {}
     formats = parse_formats(args.quantize)
-    for name, backend in parse_backends(args):
-        if name == "executorch":
-            backends[name] = eagle3.load(args.target, "none" if args.draft == "none" else None,
-                                         backend="executorch", program=args.program)
-            continue
-        for fmt in formats:  # one eager backend per weight format, side by side
-            key = name if len(formats) == 1 else f"{name}:{fmt or 'fp32'}"
-            backends[key] = eagle3.load(args.target, args.draft, dtype=args.dtype, backend=backend,
-                                        max_seq_len=args.max_seq_len, taps=args.taps,
-                                        compile=args.compile, device=args.device, quantize=fmt)
-    spec = next(iter(backends.values()))
-    eager_key = next((k for k in backends if k.startswith("eager")), None)
-    if spec.draft is None:
-        notes.append("no draft head: measuring plain decoding and the peers only (pass --draft DIR)")
-    prompts = encode_prompts(records, spec, args.max_new_tokens)
-    arms = {}
-    hf_names = [n for n in peer_names if n not in ENGINE_PEERS]  # transformers, in this process
-    if hf_names and eager_key is None:
-        if args.peers is not None:
-            raise Eagle3Error("the transformers peers need the eager backend in --backend; add "
-                              "eager or pass --peers none")
-        notes.append("no eager backend: skipping the transformers peers")
-        hf_names = []
-    if "llama.cpp" in peer_names:
-        arms.update(llama_cpp_arms(args, spec, ks, notes))
-    if hf_names:
-        tgt = backends[eager_key].target
-        model = (tgt.model if isinstance(tgt, HFTarget) else
-                 peers.load_model(default_target_dir() if args.target == "default" else args.target,
-                                  resolve_dtype(args.dtype), tgt.embedding_weight.device, "target"))
-        assistant = (peers.load_model(args.assistant, resolve_dtype(args.dtype), model.device, "assistant")
-                     if "assisted" in hf_names else None)
-        arms.update(peers.peer_arms(hf_names, model, args.max_new_tokens, tgt.config.eos_token_ids,
-                                    assistant))
-    workers = vllm.start_for(args, spec, ks, notes) if "vllm" in peer_names else {}
-    for note in notes:
-        notice(note)
-    try:  # vLLM's engines run in processes of their own: stopped whatever happens
-        arms.update({name: vllm.arm(w) for name, w in workers.items()})
-        report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens,
-                           repeats=args.repeats, peers=arms, auto=auto, trees=trees,
-                           temperature=args.temperature, progress=sys.stderr.isatty(),
-                           backends=backends)
-    finally:
-        vllm.close(workers)
-    report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,
-                              compiled=args.compile,
-                              dtype=str(resolve_dtype(args.dtype)).replace("torch.", ""),
-                              device=str(spec.target.embedding_weight.device),
-                              program=args.program,
-                              weight_formats={k: getattr(b.target, "weight_format", None)
-                                              for k, b in backends.items()})
-    report["notes"] = notes
-    for name, w in workers.items():
-        report["peers"][name]["load_seconds"] = w.load_seconds
+    report, spec, prompts = run_ab(args, parse_backends(args), formats, records, ks, auto, trees,
+                                   peer_names, notes)
     print(markdown(report))
     if args.memory:
-        report["memory"] = memory_rows(args, spec, formats, prompts[0], "llama.cpp" in (args.peers or ""))
-        from ..bench.memory import markdown_memory
+        from ..bench.memory import markdown_memory, memory_rows
 
+        report["memory"] = memory_rows(args.target, args.draft, spec, formats, prompts[0],
+                                       args.max_new_tokens, "llama.cpp" in (args.peers or ""))
         print("\n" + markdown_memory(report["memory"]))
     if args.json:
         _write(args.json, json.dumps(report, indent=2) + "\n")
@@ -369,71 +247,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         save_plots(report, args.plots)
     return 0
-
-
-def memory_rows(args: argparse.Namespace, spec, formats: list, prompt_ids: list[int],
-                with_llama_cpp: bool) -> dict:
-    """`--memory`: one fresh-process measurement per weight format, and llama.cpp's (bench/memory.py)."""
-    import torch
-
-    from ..bench import llamacpp as lc
-    from ..bench import memory
-    from ..llamacpp import binary
-    from ..targets import target_path
-
-    threads = torch.get_num_threads()
-    text = spec.tokenizer.decode(prompt_ids, skip_special_tokens=False) if spec.tokenizer else ""
-    draft = None if args.draft in (None, "default") else args.draft
-    rows = {}
-    for fmt in formats:  # named by the format the load resolved ("auto" -> gguf or float32)
-        row = memory.eagle3_memory(args.target, draft, fmt, text, args.max_new_tokens, threads,
-                                   max_seq_len=spec.max_seq_len)
-        rows[f"eagle3 {row['weight_format'] or 'stock'}"] = row
-    gguf = target_path(args.target)[1]
-    if with_llama_cpp and gguf is not None and lc.missing() is None:
-        rows["llama.cpp"] = memory.llamacpp_memory(str(binary("llama-completion")), gguf, text,
-                                                   args.max_new_tokens, threads, spec.max_seq_len)
-    return rows
-
-
-def llama_cpp_arms(args: argparse.Namespace, spec, ks: list[int], notes: list[str]) -> dict:
-    """llama.cpp plain and EAGLE-3 (our head, converted by llama.cpp's converter) on the same
-    GGUF file; none, with a note saying why, when they cannot run."""
-    import os
-    import tempfile
-
-    import torch
-
-    from ..bench import llamacpp as lc
-    from ..llamacpp import head_to_gguf
-    from ..targets import target_path
-
-    why = lc.missing()
-    if why is None:
-        gguf = target_path(args.target)[1]
-        if gguf is None:
-            why = f"--target {args.target} is not a GGUF file (llama.cpp runs GGUF targets)"
-        elif spec.tokenizer is None:
-            why = "the target has no tokenizer (llama.cpp takes prompts as text)"
-    if why is not None:
-        notes.append(f"skipping llama.cpp: {why}")
-        return {}
-    threads = torch.get_num_threads()
-    tok = spec.tokenizer
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-    arms = {"llama.cpp plain": lc.completion_arm(gguf, args.max_new_tokens, threads, decode, tok.encode)}
-    if spec.draft is not None:
-        head = args.draft
-        if head is None:
-            from ..default import default_head_dir
-
-            head = default_head_dir()
-        head_gguf = os.path.join(tempfile.mkdtemp(prefix="eagle3-bench-"), "head.gguf")
-        head_to_gguf(head, head_gguf, args.target)
-        k = ks[0] if len(ks) == 1 else 3
-        arms[f"llama.cpp eagle3 K={k}"] = lc.eagle3_arm(gguf, head_gguf, args.max_new_tokens, k,
-                                                        threads, decode, tok.encode)
-    return arms
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -453,6 +266,7 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
 
     import eagle3
 
+    from ..bench.prompts import encode_prompts
     from ..bench.serving import markdown_concurrency, run_concurrency_bench
 
     concurrencies = parse_concurrency(args.concurrency)

@@ -2,7 +2,7 @@
 
 Speculation pays when verifying K+1 tokens per row costs little more than one,
 which holds for small batches and fades as the batch (B rows x T tokens) fills the
-matmuls. `RoundCosts.measure` times a backend's own forwards on this machine, for a
+matmuls. `RoundCosts.measure` times a runner's own forwards on this machine, for a
 few batch sizes (1 for `generate`): a target forward over T tokens per row and a
 draft forward over T tokens per row. A round then costs
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .backend import Backend
 from .layout import causal_layout
 from .round import SequenceState
+from .runner import Runner
 from .tree import TreeShape
 from .types import Plan
 
@@ -117,12 +117,12 @@ def probe_batch_sizes(max_batch: int) -> list[int]:
 
 
 # rows(B, positions): B sequences with room for `positions` positions, or None when the
-# backend has no room for them (a full KV pool); released on exit.
+# runner has no room for them (a full KV pool); released on exit.
 Rows = Callable[[int, int], AbstractContextManager[list[SequenceState] | None]]
 
 
 class RoundCosts:
-    """Milliseconds of a backend's forwards per batch size B and tokens per row T (1..max_T)."""
+    """Milliseconds of a runner's forwards per batch size B and tokens per row T (1..max_T)."""
 
     def __init__(self, verify: dict[int, list[float]], draft: dict[int, list[float]],
                  plain: dict[int, float] | None = None, context: int = 0, seconds: float = 0.0) -> None:
@@ -134,7 +134,7 @@ class RoundCosts:
 
     @classmethod
     @torch.no_grad()
-    def measure(cls, backend: Backend, rows: Rows, batch_sizes: list[int], max_T: int,
+    def measure(cls, runner: Runner, rows: Rows, batch_sizes: list[int], max_T: int,
                 context: int, repeats: int = 3) -> RoundCosts:
         """Time the forwards on `rows(B, positions)` (sequences `context` positions long) at
         the `probe_lengths`: interleaved medians, then a line in T per batch size (`fit_line`).
@@ -147,7 +147,7 @@ class RoundCosts:
         for B in batch_sizes:
             with rows(B, context + max_T + 1) as seqs:
                 if seqs is not None:
-                    verify[B], draft[B], plain[B] = _time_batch(backend, seqs, context, lengths,
+                    verify[B], draft[B], plain[B] = _time_batch(runner, seqs, context, lengths,
                                                                 repeats)
         return cls(verify, draft, plain, context, time.perf_counter() - t0)
 
@@ -260,11 +260,11 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     return best
 
 
-def _time_batch(backend: Backend, seqs: list[SequenceState], context: int, lengths: list[int],
+def _time_batch(runner: Runner, seqs: list[SequenceState], context: int, lengths: list[int],
                 repeats: int) -> tuple[list[float], list[float], float]:
     """(verify ms per T, draft ms per T, for T = 1..max(lengths); plain step ms) for these rows
     at `context`, measured at T in `lengths`."""
-    dev = backend.device
+    dev = runner.device
     B = len(seqs)
     T_all = lengths
     tv: dict[int, list[float]] = {T: [] for T in T_all}
@@ -273,7 +273,7 @@ def _time_batch(backend: Backend, seqs: list[SequenceState], context: int, lengt
     starts = [context] * B
     for rep in range(repeats + 1):  # the first pass warms up
         t0 = time.perf_counter()
-        logits, _ = backend.target(seqs, torch.ones(B, 1, dtype=torch.long, device=dev),
+        logits, _ = runner.target(seqs, torch.ones(B, 1, dtype=torch.long, device=dev),
                                    causal_layout(starts, 1, device=dev), with_features=False,
                                    last_only=True)
         logits.argmax(-1).tolist()
@@ -283,11 +283,11 @@ def _time_batch(backend: Backend, seqs: list[SequenceState], context: int, lengt
             tokens = torch.ones(B, T, dtype=torch.long, device=dev)
             layout = causal_layout(starts, T, device=dev)
             t0 = time.perf_counter()
-            logits, feats = backend.target(seqs, tokens, layout)
+            logits, feats = runner.target(seqs, tokens, layout)
             logits.argmax(-1).tolist()
             t1 = time.perf_counter()
             if feats is not None:
-                out, _ = backend.draft(seqs, tokens, feats, layout)
+                out, _ = runner.draft(seqs, tokens, feats, layout)
                 out.argmax(-1).tolist()
             t2 = time.perf_counter()
             if rep:

@@ -1,8 +1,8 @@
 """Drafting: catch each row's draft up on its backlog, then draft a chain or a tree.
 
-A round hands each group of rows that share a plan to its backend's `draft_chain` or
-`draft_tree`. `EagerDrafting` gives a backend both, built on its own `draft` forward:
-every backend uses it, and a compiled `StaticBackend` swaps in fused graphs of the same
+A round hands each group of rows that share a plan to its runner's `draft_chain` or
+`draft_tree`. `EagerDrafting` gives a runner both, built on its own `draft` forward:
+every runner uses it, and a compiled `StaticRunner` swaps in fused graphs of the same
 steps where their shapes are fixed (one greedy row that has drafted before), falling back
 to these elsewhere. `chain_steps` is the one chain loop, eager or traced.
 """
@@ -44,7 +44,7 @@ def caught_up(rows: list[Any], roots: torch.Tensor, bounds: torch.Tensor, counts
         s.pending_ids, s.pending_feats = [], []
 
 
-def catch_up(backend: Any, seqs: list[Any], alone_over: int | None = None) -> None:
+def catch_up(runner: Any, seqs: list[Any], alone_over: int | None = None) -> None:
     """Feed each row's pending tokens and features to the draft: sets `root` and `boundary`.
 
     Rows whose backlog exceeds `alone_over` tokens (after plain rounds: more than a round
@@ -52,19 +52,19 @@ def catch_up(backend: Any, seqs: list[Any], alone_over: int | None = None) -> No
     """
     rows = [s for s in seqs if s.pending_ids]
     for s in [s for s in rows if alone_over is not None and len(s.pending_ids) > alone_over]:
-        catch_up_rows(backend, [s])
+        catch_up_rows(runner, [s])
     rows = [s for s in rows if s.pending_ids]
     if rows:
-        catch_up_rows(backend, rows)
+        catch_up_rows(runner, rows)
 
 
-def catch_up_rows(backend: Any, rows: list[Any]) -> None:
+def catch_up_rows(runner: Any, rows: list[Any]) -> None:
     """One batched draft forward over these rows' backlogs (padded to the longest)."""
-    dev = backend.device
+    dev = runner.device
     T = max(len(s.pending_ids) for s in rows)
     tokens, feats, counts = backlog(rows, T, dev)
     valid = counts if len(rows) > 1 else None  # the common case (generate): no padding
-    logits, h = backend.draft(rows, tokens, feats, causal_layout([s.draft_len for s in rows], T, valid, dev))
+    logits, h = runner.draft(rows, tokens, feats, causal_layout([s.draft_len for s in rows], T, valid, dev))
     last = torch.tensor(counts, device=dev) - 1
     idx = torch.arange(len(rows), device=dev)
     caught_up(rows, logits[idx, last], h[idx, last], counts)  # (G, Vd), (G, H)
@@ -98,22 +98,22 @@ def root_state(rows: list[Any]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
             [s.draft_len for s in rows])
 
 
-def draft_chain(backend: Any, rows: list[Any], root: torch.Tensor, boundary: torch.Tensor,
+def draft_chain(runner: Any, rows: list[Any], root: torch.Tensor, boundary: torch.Tensor,
                 starts: list[int], k: int, counts: list[int] | None = None,
                 errors: dict[int, str] | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """k drafts per row (G, k) by the backend's draft forward: argmax for greedy rows; sampled
+    """k drafts per row (G, k) by the runner's draft forward: argmax for greedy rows; sampled
     rows draw from the draft's distribution (the target's temperature / top-k / top-p) and keep
     q in the target vocabulary. Row g needs only its first counts[g] drafts: its later steps are
     padding (never written). A sampled row whose sampler raises drafts argmax from then on, its
     error in `errors`."""
     errors = {} if errors is None else errors
-    dev = backend.device
+    dev = runner.device
     sampled = [g for g, s in enumerate(rows) if s.sampler is not None]
     qs: list[list[torch.Tensor]] = [[] for _ in rows]
     pick: Pick = greedy
     if sampled:
-        vocab_ids = backend.to_target_ids(torch.arange(root.shape[-1], device=dev))  # (Vd,)
-        V = backend.vocab_size
+        vocab_ids = runner.to_target_ids(torch.arange(root.shape[-1], device=dev))  # (Vd,)
+        V = runner.vocab_size
 
         def sample(i: int, logits: torch.Tensor) -> torch.Tensor:
             ids = argmax(logits).clone()
@@ -135,21 +135,21 @@ def draft_chain(backend: Any, rows: list[Any], root: torch.Tensor, boundary: tor
     def step(i: int, tok: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         valid = None if counts is None or min(counts) > i + 1 else [int(c > i + 1) for c in counts]
         layout = causal_layout([p + i for p in starts], 1, valid, dev)
-        out, feat = backend.draft(rows, tok[:, None], feat, layout)
+        out, feat = runner.draft(rows, tok[:, None], feat, layout)
         return out[:, 0], feat
 
-    drafts = chain_steps(step, backend.to_target_ids, root, boundary, k, pick)
+    drafts = chain_steps(step, runner.to_target_ids, root, boundary, k, pick)
     q = [torch.stack(qs[g]) if rows[g].sampler is not None and qs[g] else None
          for g in range(len(rows))]
     return drafts, q
 
 
-def draft_tree(backend: Any, rows: list[Any], shape: TreeShape, counts: list[int],
+def draft_tree(runner: Any, rows: list[Any], shape: TreeShape, counts: list[int],
                fused: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> Proposal:
     """Each row's dynamic tree (`decoding.tree.expand_tree`) after its catch-up; row g keeps its
-    first counts[g] nodes. `fused(root, boundary, start, top_k, depth, n)`: a backend's one-graph
+    first counts[g] nodes. `fused(root, boundary, start, top_k, depth, n)`: a runner's one-graph
     expansion of a lone row's full-depth tree, used where it applies."""
-    catch_up(backend, rows, alone_over=max(counts) + 1)
+    catch_up(runner, rows, alone_over=max(counts) + 1)
     root, boundary, starts = root_state(rows)
     # Deeper levels could not be committed (the round groups rows by this depth); RoPE
     # positions are capped at the cache's end all the same.
@@ -157,23 +157,23 @@ def draft_tree(backend: Any, rows: list[Any], shape: TreeShape, counts: list[int
     n = min(shape.total_tokens, TreeShape(shape.top_k, depth).max_nodes)  # >= every count
     if fused is not None and len(rows) == 1 and depth == shape.depth:
         return Proposal(*fused(root, boundary, starts[0], shape.top_k, depth, n), q=[None], counts=counts)
-    t = expand_tree(lambda tok, feat, lay: backend.draft(rows, tok, feat, lay),
-                    backend.to_target_ids, root, boundary, starts, shape.top_k, depth, n,
-                    [backend.max_len - 1 - p for p in starts])
+    t = expand_tree(lambda tok, feat, lay: runner.draft(rows, tok, feat, lay),
+                    runner.to_target_ids, root, boundary, starts, shape.top_k, depth, n,
+                    [runner.max_len - 1 - p for p in starts])
     return Proposal(*t, q=[None] * len(rows), counts=counts)
 
 
-def draft_chain_proposal(backend: Any, rows: list[Any], counts: list[int]) -> Proposal:
+def draft_chain_proposal(runner: Any, rows: list[Any], counts: list[int]) -> Proposal:
     """Each row's chain of counts[g] drafts after its catch-up."""
-    catch_up(backend, rows, alone_over=max(counts) + 1)
+    catch_up(runner, rows, alone_over=max(counts) + 1)
     root, boundary, starts = root_state(rows)
     errors: dict[int, str] = {}
-    tokens, qs = draft_chain(backend, rows, root, boundary, starts, max(counts), counts, errors)
+    tokens, qs = draft_chain(runner, rows, root, boundary, starts, max(counts), counts, errors)
     return Proposal(*chain_proposal(tokens), q=qs, counts=counts, errors=errors, tree=False)
 
 
 class EagerDrafting:
-    """`draft_chain` / `draft_tree` for a backend, by its own `draft` forward."""
+    """`draft_chain` / `draft_tree` for a runner, by its own `draft` forward."""
 
     def draft_chain(self, rows: list[Any], k: int, counts: list[int]) -> Proposal:
         """Chains for rows of plan K = `k`; row g verifies its first counts[g] <= k drafts."""
@@ -185,4 +185,4 @@ class EagerDrafting:
 
     def warm(self, max_k: int, start: int) -> None:
         """Build what rounds of up to `max_k` drafts need before any generation times them
-        (positions from `start` are scratch). Eager backends need nothing."""
+        (positions from `start` are scratch). Eager runners need nothing."""

@@ -1,5 +1,5 @@
 """Where a forward's tokens go and what they see: `Layout`, the one description of chains, trees,
-sampled chains, ragged batches and sliding windows that the round hands every backend."""
+sampled chains, ragged batches and sliding windows that the round hands every runner."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
 """One speculative round over a batch of sequences: the only decoding loop body in eagle3.
 
-`generate` runs it at batch 1 on a `StaticBackend`; the engine runs it over its
-page pool (`engine.paged.PagedBackend`). A sequence's anchor (its last token, emitted
+`generate` runs it at batch 1 on a `StaticRunner`; the engine runs it over its
+page pool (`engine.paged.PagedRunner`). A sequence's anchor (its last token, emitted
 but not yet in the target cache) sits at position P = `target_len`; the draft cache
 holds positions 0..P-1, its last output (`root` logits, `boundary` feature) predicts
 the token after the anchor. A round with `Plan(k, tree)`:
 
-    draft      per group of rows sharing a plan, the backend's `draft_chain` / `draft_tree`
+    draft      per group of rows sharing a plan, the runner's `draft_chain` / `draft_tree`
                (`decoding.drafting`): teacher-force each row's pending tokens with their
                target features into the draft (its new root and boundary), then a
                `Proposal`: k chain drafts (argmax, or sampled from the draft's q for
                sampled rows), or a dynamic tree (`decoding.tree.expand_tree`). How the
-               backend runs them (eager, or fused compiled graphs) is its own affair
+               runner runs them (eager, or fused compiled graphs) is its own affair
     verify     one target forward over [anchor, nodes] per row, ancestor masks, RoPE
                positions P + depth
     accept     `decoding.accept.accept`: greedy path, or speculative / recursive-rejection
@@ -31,48 +31,18 @@ and parents in one `.tolist()`), more for sampled rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ..cache import slots_upto
 from ..errors import brief
-from ..kernels import argmax, prefill_matmuls
+from ..kernels import argmax
 from .accept import accept
-from .backend import Backend
 from .layout import Layout, causal_layout
 from .profile import active
+from .runner import Runner
 from .sampling import Sampler
-from .types import Plan, Proposal, Verdict
-
-
-def empty_stats() -> dict[str, Any]:
-    """The speculation counters of one sequence (the engine reports them with vLLM's names)."""
-    return {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": [],
-            "drafted_per_position": [], "mean_accept_len": 1.0, "accept_len_hist": [],
-            "target_forwards": 0, "seconds": 0.0}
-
-
-def size_stats(stats: dict[str, Any], depth: int) -> None:
-    """Lists long enough for drafts `depth` deep (they grow later if a round drafts deeper)."""
-    for key, n in (("accepted_per_position", depth), ("drafted_per_position", depth),
-                   ("accept_len_hist", depth + 1)):
-        stats[key].extend([0] * (n - len(stats[key])))
-
-
-def record_round(stats: dict[str, Any], drafted: int, accepted: int, deepest: int) -> None:
-    """One verify round: `drafted` emittable draft tokens, `accepted` of them accepted, drafts
-    reaching position `deepest` (a chain's length, a tree's depth)."""
-    size_stats(stats, deepest)
-    stats["rounds"] += 1
-    stats["draft_tokens"] += drafted
-    stats["accepted_tokens"] += accepted
-    stats["accept_len_hist"][accepted] += 1
-    for i in range(accepted):
-        stats["accepted_per_position"][i] += 1
-    for i in range(deepest):
-        stats["drafted_per_position"][i] += 1
-    stats["mean_accept_len"] = 1.0 + stats["accepted_tokens"] / stats["rounds"]
+from .types import Plan, Proposal, SpecStats, Verdict
 
 
 def emit(out: list[int], tokens: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
@@ -104,7 +74,7 @@ class SequenceState:
     root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
     boundary: torch.Tensor | None = None  # (H,) the feature that follows
     done: bool = False
-    stats: dict[str, Any] = field(default_factory=empty_stats)
+    stats: SpecStats = field(default_factory=SpecStats)
 
     @property
     def anchor(self) -> int:
@@ -136,22 +106,22 @@ def draft_span(plan: Plan) -> int:
 
 # -- the steps ------------------------------------------------------------------------------------
 @torch.no_grad()
-def prefill(backend: Backend, seq: SequenceState) -> int:
+def prefill(runner: Runner, seq: SequenceState) -> int:
     """The prompt's target forward: the first token; the prompt is queued for the draft, whose
     catch-up waits for the row's first drafting round (a row that only ever decodes plainly, as
     rows of a full batch often do, never pays for it)."""
     prof = active()
     prof.tic()
     n = len(seq.prompt)
-    backend.reserve(seq, n)
-    prompt = torch.tensor([seq.prompt], device=backend.device)
-    drafts = backend.has_draft and seq.drafts and seq.max_new_tokens > 1
-    with prefill_matmuls():  # the same call in plain and speculative decoding: stock kernels
-        logits, feats = backend.target([seq], prompt, causal_layout([0], n, device=backend.device),
-                                       with_features=drafts, last_only=True)
+    runner.reserve(seq, n)
+    prompt = torch.tensor([seq.prompt], device=runner.device)
+    drafts = runner.has_draft and seq.drafts and seq.max_new_tokens > 1
+    # prefill: the same call in plain and speculative decoding, so it may take stock kernels
+    logits, feats = runner.target([seq], prompt, causal_layout([0], n, device=runner.device),
+                                   with_features=drafts, last_only=True, prefill=True)
     row = logits[0, -1]
     first = int(argmax(row) if seq.sampler is None else seq.sampler.sample(seq.sampler.probs(row)))
-    seq.stats["target_forwards"] += 1
+    seq.stats.target_forwards += 1
     seq.target_len = n
     seq.done = emit(seq.out, [first], seq.stop_ids, seq.max_new_tokens)
     if drafts and not seq.done:
@@ -160,11 +130,11 @@ def prefill(backend: Backend, seq: SequenceState) -> int:
     return first
 
 
-def verify(backend: Backend, seqs: list[SequenceState],
+def verify(runner: Runner, seqs: list[SequenceState],
            proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One target forward over [anchor, the row's nodes] per row: logits (B, T, V), features,
     and the verified tokens (B, T). Rows that do not draft verify their anchor alone."""
-    dev = backend.device
+    dev = runner.device
     B = len(seqs)
     T = 1 + max((max(p.counts) for p in proposals), default=0)
     tokens = torch.tensor([[s.anchor] * T for s in seqs], device=dev)
@@ -185,27 +155,27 @@ def verify(backend: Backend, seqs: list[SequenceState],
             rope[idx, :n + 1] = p.depth[:, :n + 1]
     layout = Layout([s.target_len for s in seqs], slots_upto(T, dev), region=region, rope=rope,
                     region_pos=rope, counts=counts if B > 1 else None)
-    with_features = backend.has_draft and any(s.drafts for s in seqs)
-    logits, feats = backend.target(seqs, tokens, layout, with_features=with_features)
+    with_features = runner.has_draft and any(s.drafts for s in seqs)
+    logits, feats = runner.target(seqs, tokens, layout, with_features=with_features)
     return logits, feats, tokens
 
 
-def commit(backend: Backend, seq: SequenceState, verdict: Verdict, feats: torch.Tensor | None,
+def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Tensor | None,
            b: int) -> None:
     """Advance one row past its verdict (see the module docstring); fills `verdict.new`."""
     P = seq.target_len
     path = verdict.path
     a = len(path)
     if path != list(range(1, a + 1)):  # accepted nodes' K/V to contiguous positions
-        backend.compact(seq, [P + j for j in path], P + 1)
+        runner.compact(seq, [P + j for j in path], P + 1)
     seq.target_len = P + a + 1
     room = seq.room() - 1
     depths = verdict.depths
     if depths and room > 0:  # stats count what could be emitted: nodes past max_new_tokens are not
         verdict.drafted = sum(d <= room for d in depths)
         verdict.accepted = min(a, room)
-        record_round(seq.stats, verdict.drafted, verdict.accepted, min(max(depths), room))
-    seq.stats["target_forwards"] += 1
+        seq.stats.record(verdict.drafted, verdict.accepted, min(max(depths), room))
+    seq.stats.target_forwards += 1
     emitted = verdict.tokens
     new_start = len(seq.out)
     seq.done = emit(seq.out, emitted, seq.stop_ids, seq.max_new_tokens)
@@ -217,16 +187,16 @@ def commit(backend: Backend, seq: SequenceState, verdict: Verdict, feats: torch.
 
 
 @torch.no_grad()
-def run_round(backend: Backend, seqs: list[SequenceState], plan: Plan) -> list[Verdict]:
+def run_round(runner: Runner, seqs: list[SequenceState], plan: Plan) -> list[Verdict]:
     """The whole transaction for one round over `seqs` (none of them done): each row drafts by
     its own plan when it has one, else by `plan`; rows of one plan draft together, all verify
     in one target forward."""
     prof = active()
     prof.tic()
     plans = [s.plan or plan for s in seqs]
-    grants = [grant(s, p, backend.max_len) for s, p in zip(seqs, plans, strict=True)]
+    grants = [grant(s, p, runner.max_len) for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
-        backend.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
+        runner.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
     # Rows draft together when their drafts are the same function of their own state: one plan,
     # and for trees one depth (a row near the cache's end expands fewer levels), so a row's
     # proposal never depends on the batch it shares.
@@ -235,22 +205,22 @@ def run_round(backend: Backend, seqs: list[SequenceState], plan: Plan) -> list[V
         if n > 0:
             groups.setdefault((p, min(p.tree.depth, n) if p.tree else 0), []).append(b)
     proposals = []
-    for (p, _), rows in groups.items():  # each group catches up and drafts in its backend's way
+    for (p, _), rows in groups.items():  # each group catches up and drafts in its runner's way
         group, counts = [seqs[b] for b in rows], [grants[b] for b in rows]
-        proposal = (backend.draft_tree(group, p.tree, counts) if p.tree is not None
-                    else backend.draft_chain(group, p.k, counts))
+        proposal = (runner.draft_tree(group, p.tree, counts) if p.tree is not None
+                    else runner.draft_chain(group, p.k, counts))
         proposal.rows = rows
         proposals.append(proposal)
     if proposals:
         prof.toc("draft", proposals[-1].tokens)
-    logits, feats, tokens = verify(backend, seqs, proposals)
+    logits, feats, tokens = verify(runner, seqs, proposals)
     verdicts = accept(seqs, logits, tokens, proposals)
     prof.toc("verify", syncs=1)
     for b, (s, v) in enumerate(zip(seqs, verdicts, strict=True)):
         if v.error is not None:
             continue
         try:
-            commit(backend, s, v, feats, b)
+            commit(runner, s, v, feats, b)
         except Exception as e:  # this row's own handling failed: it alone fails
             v.error = brief(e)
     return verdicts

@@ -47,8 +47,8 @@ class TreeShape:
         return {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total_tokens}
 
 
-# The fastest shape measured on the toy model, eager, 2 CPU threads (docs/decoding.md, "Trees and sampling"):
-# wider or deeper trees accept more (4x8x48: tau 5.06) but cost more than they gain here.
+# The fastest shape measured on the toy model, eager (docs/decoding.md, "Trees and sampling"):
+# wider or deeper trees accept more but cost more than they gain.
 DEFAULT_TREE = TreeShape()
 
 
@@ -103,7 +103,7 @@ def expand_tree(draft: DraftStep, to_target: Callable[[torch.Tensor], torch.Tens
                 n: int, max_rope: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     """Each row's tree from its root logits (G, Vd) and feature (G, 1, H); keeps the best n nodes.
 
-    `draft(tokens (G, k), features (G, k, H), layout)` is the backend's draft forward; level
+    `draft(tokens (G, k), features (G, k, H), layout)` is the runner's draft forward; level
     l's k frontier nodes are written at positions starts[g] + (l-1)k + i with RoPE position
     starts[g] + l - 1 (capped at starts[g] + max_rope[g]) and see the committed prefix and
     their ancestors. No host synchronisation. Returns `select_tree`'s tensors.

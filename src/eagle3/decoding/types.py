@@ -60,3 +60,57 @@ class Verdict:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None
+
+
+@dataclass
+class SpecStats:
+    """One sequence's speculation counters. `as_dict()` gives them under the JSON keys of
+    `GenerationResult.stats` (the engine reports them with vLLM's names)."""
+
+    rounds: int = 0  # verify rounds that drafted
+    draft_tokens: int = 0  # emittable draft tokens verified
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accept_len_hist: list[int] = field(default_factory=list)  # rounds per accepted length
+    target_forwards: int = 0
+    seconds: float = 0.0
+    num_draft_tokens: int | None = None  # the chain's K (automatic: the latest choice)
+    tree: dict[str, int] | None = None  # the tree's shape, when drafting one
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens per drafting round (tau): 1 + accepted per round."""
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 1.0
+
+    def size(self, depth: int) -> None:
+        """Lists long enough for drafts `depth` deep (they grow later if a round drafts deeper)."""
+        for lst, n in ((self.accepted_per_position, depth), (self.drafted_per_position, depth),
+                       (self.accept_len_hist, depth + 1)):
+            lst.extend([0] * (n - len(lst)))
+
+    def record(self, drafted: int, accepted: int, deepest: int) -> None:
+        """One verify round: `drafted` emittable draft tokens, `accepted` of them accepted, drafts
+        reaching position `deepest` (a chain's length, a tree's depth)."""
+        self.size(deepest)
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.accept_len_hist[accepted] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        for i in range(deepest):
+            self.drafted_per_position[i] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"rounds": self.rounds, "draft_tokens": self.draft_tokens,
+               "accepted_tokens": self.accepted_tokens,
+               "accepted_per_position": list(self.accepted_per_position),
+               "drafted_per_position": list(self.drafted_per_position),
+               "mean_accept_len": self.mean_accept_len, "accept_len_hist": list(self.accept_len_hist),
+               "target_forwards": self.target_forwards, "seconds": self.seconds}
+        if self.tree is not None:
+            out["tree"] = dict(self.tree)
+        if self.num_draft_tokens is not None:
+            out["num_draft_tokens"] = self.num_draft_tokens
+        return out

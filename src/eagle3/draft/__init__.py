@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import Eagle3Error
 from ..targets.decoder import table_embedding
 from ..targets.protocol import TapTarget, default_taps, validate_taps
@@ -54,28 +52,3 @@ def attach_head(head: Eagle3Draft, target: TapTarget, where: str = "draft head",
         raise Eagle3Error(f"{where}: embedding dtype {head.embed_tokens.weight.dtype} differs from the "
                           f"head's {head.dtype}; load target and head with the same dtype")
     return taps
-
-
-@torch.no_grad()
-def random_head(target: TapTarget, *, draft_vocab_size: int | None = None, seed: int = 0,
-                scale: float = 0.05, taps: tuple[int, ...] | None = None) -> Eagle3Draft:
-    """A seeded random head for `target` (tests and demos); reduced vocab when draft_vocab_size < V."""
-    tcfg = target.config
-    H = tcfg.hidden_size
-    heads = max(1, H // 32)
-    V = tcfg.vocab_size
-    dv = draft_vocab_size or V
-    cfg = DraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=heads,
-                      num_key_value_heads=heads, head_dim=H // heads, vocab_size=V,
-                      draft_vocab_size=dv, target_hidden_size=H, taps=taps)
-    g = torch.Generator().manual_seed(seed)
-    head = Eagle3Draft(cfg, max_len=tcfg.max_seq_len, with_embedding=False)
-    for p in head.parameters():
-        if p.dim() >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
-    if dv < V:
-        used = torch.sort(torch.randperm(V, generator=g)[:dv]).values
-        head.d2t.copy_(used - torch.arange(dv))
-        head.t2d.zero_()
-        head.t2d[used] = True
-    return head.eval()

@@ -27,26 +27,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..decoding.costs import (
-    AUTO_MAX_K,
-    REPICK_EVERY,
-    Acceptance,
-    Observed,
-    RoundCosts,
-    choose_plan,
-    probe_batch_sizes,
-)
+from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, probe_batch_sizes
+from ..decoding.planner import Planner
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
 from ..decoding.round import SequenceState, prefill, run_round
 from ..decoding.sampling import Sampler
 from ..decoding.tree import TreeShape, parse_tree
 from ..decoding.types import Plan
 from ..errors import Eagle3Error, brief, notice
-from .paged import PagedBackend, PagePool
+from .paged import PagedRunner, PagePool
 from .request import DONE, Request, RequestState
-
-COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-            "prompt_tokens", "generation_tokens")
+from .stats import EngineStats
 
 
 class EngineError(Eagle3Error):
@@ -94,12 +85,9 @@ class Engine:
         if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
             raise Eagle3Error(f"max_kv_tokens must be a positive integer, got {cfg.max_kv_tokens!r}")
         self.pool = PagePool(-(-kv_tokens // cfg.page_size), cfg.page_size)
-        self.backend = PagedBackend(spec.target, spec.draft if self.speculate else None, spec.taps,
+        self.runner = PagedRunner(spec.target, spec.draft if self.speculate else None, spec.taps,
                                     self.pool)
-        self.acceptance = Acceptance(max(self.kmax, 1))  # over all requests
-        self.observed = Observed()  # measured round times against the cost model's
-        self.costs: RoundCosts | None = None
-        self._held_plan: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
+        self.planner = Planner(self.kmax, self.tree)  # automatic plans, over all requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Condition()
@@ -107,12 +95,7 @@ class Engine:
         self.manual = False  # started without a thread: the caller steps
         self.stopping = False
         self.ids = itertools.count(1)
-        self.totals = dict.fromkeys(COUNTERS, 0)
-        self.totals_per_pos: list[int] = []
-        self.totals_hist: list[int] = []
-        self.outcomes = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
-        self.published: dict[str, dict[str, Any]] = {}  # running requests' metrics, per round
-        self.k_history: dict[int, dict[Any, int]] = {}  # batch size -> {k or "tree": rounds}
+        self.stats = EngineStats()  # read by metrics() under the lock
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, background: bool = True) -> Engine:
@@ -136,6 +119,20 @@ class Engine:
         """Step until no request is waiting or running (without a background thread)."""
         while self.step() or self.waiting:
             pass
+
+    @property
+    def costs(self) -> RoundCosts | None:
+        """The cost model the planner measured (`prepare`); None before, or without automatic plans."""
+        return self.planner.costs
+
+    @property
+    def acceptance(self) -> Acceptance:
+        return self.planner.acceptance
+
+    @property
+    def k_history(self) -> dict[int, dict[Any, int]]:
+        """Rounds per plan (K, or "tree") per batch size (`EngineStats.k_history`)."""
+        return self.stats.k_history
 
     @property
     def automatic(self) -> bool:
@@ -175,8 +172,8 @@ class Engine:
         if self.automatic and self.costs is None:
             max_T = max(self.kmax, self.tree.total_tokens if self.tree is not None else 0) + 1
             context = max(1, min(128, self.max_model_len // 2) - max_T - 2)
-            self.costs = RoundCosts.measure(self.backend, self._probe_rows,
-                                            probe_batch_sizes(self.config.max_batch), max_T, context)
+            self.planner.measure(self.runner, self._probe_rows,
+                                 probe_batch_sizes(self.config.max_batch), max_T, context)
             if not self.costs.verify:
                 raise Eagle3Error("the KV pool is too small to measure even one request's costs; "
                                   "raise max_kv_tokens or pass a fixed num_draft_tokens")
@@ -202,7 +199,7 @@ class Engine:
     @property
     def kv_bytes(self) -> int:
         """Memory held by the KV pool (target layers and the head's layer)."""
-        return self.backend.kv_bytes
+        return self.runner.kv_bytes
 
     @property
     def is_running(self) -> bool:
@@ -241,7 +238,7 @@ class Engine:
             r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, req.sampling,
                         req.stop_ids, on_event,
                         timeout_s if timeout_s is not None else self.config.request_timeout_s)
-            sampler = None if req.sampling.greedy else Sampler(req.sampling, self.backend.device)
+            sampler = None if req.sampling.greedy else Sampler(req.sampling, self.runner.device)
             # Sampled requests under automatic plans draft a fixed chain, as generate does: their
             # draws then never depend on timings or on the batch they share.
             own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
@@ -296,27 +293,23 @@ class Engine:
         typical = not any(r.seq.draft_len == 0 and r.seq.drafts for r in batch)
         t0 = time.perf_counter()
         try:
-            verdicts = run_round(self.backend, [r.seq for r in batch], plan)
+            verdicts = run_round(self.runner, [r.seq for r in batch], plan)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
             notice(f"a batched round failed ({type(e).__name__}: {e}); failing its {len(batch)} requests")
             for r in batch:
                 self._finish(r, RequestState.FAILED, "error", error=brief(e))
             return True
         if self.costs is not None and (typical or not plan.drafts):
-            self.observed.record(len(batch), plan, (time.perf_counter() - t0) * 1e3,
-                                 self.costs.round_ms(len(batch), plan))
-        key = "tree" if plan.tree is not None else plan.k
-        self.k_history.setdefault(len(batch), {}).setdefault(key, 0)
-        self.k_history[len(batch)][key] += 1
+            self.planner.observe(len(batch), plan, (time.perf_counter() - t0) * 1e3)
         with self.lock:  # counters for metrics(), which other threads read: consistent per round
-            self.published = {r.id: r.metrics for r in batch}
+            self.stats.round(plan, {r.id: r.metrics for r in batch})
         now = time.perf_counter()
         for r, v in zip(batch, verdicts, strict=True):
             if v.error is not None:  # this request's own handling failed: it alone fails
                 self._finish(r, RequestState.FAILED, "error", error=v.error)
                 continue
             if v.depths:
-                self.acceptance.record(len(v.depths), len(v.path), tree=plan.tree is not None)
+                self.planner.record(len(v.depths), len(v.path), tree=plan.tree is not None)
             if v.new:
                 r.last_token_at = now
             if v.done:
@@ -332,16 +325,7 @@ class Engine:
             return Plan(self.config.num_draft_tokens)
         if not self.automatic:
             return Plan(tree=self.tree)
-        # As in generate: a choice holds for REPICK_EVERY rounds at one batch size (a choice
-        # every round chases the noise in single rounds' timings).
-        B = len(batch)
-        held = self._held_plan
-        if held is not None and held[0] == B and held[2] < REPICK_EVERY:
-            self._held_plan = (B, held[1], held[2] + 1)
-            return held[1]
-        plan = choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed)
-        self._held_plan = (B, plan, 1)
-        return plan
+        return self.planner.held(len(batch))
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:
@@ -370,7 +354,7 @@ class Engine:
                 self._emit(r, [first])
 
     def _prefill(self, r: Request) -> int:
-        return prefill(self.backend, r.seq)
+        return prefill(self.runner, r.seq)
 
     def _emit(self, r: Request, new: list[int]) -> None:
         if r.on_event is None:
@@ -412,16 +396,11 @@ class Engine:
             r.finished_at = time.perf_counter()
             if r.seq is not None:  # drop the tensors it holds
                 r.seq.pending_ids, r.seq.pending_feats, r.seq.root, r.seq.boundary = [], [], None, None
-            key = {RequestState.FINISHED: "requests_finished", RequestState.ABORTED: "requests_aborted",
-                   RequestState.FAILED: "requests_failed"}[state]
-            self.outcomes[key] += 1
             m = r.metrics
             if r.admitted_at is None:  # never prefilled
                 m["prompt_tokens"] = 0
-            for c in COUNTERS:
-                self.totals[c] += m[c]
-            add_into(self.totals_per_pos, m["spec_decode_num_accepted_tokens_per_pos"])
-            add_into(self.totals_hist, m["accept_len_hist"])
+            self.stats.finish({RequestState.FINISHED: "finished", RequestState.ABORTED: "aborted",
+                               RequestState.FAILED: "failed"}[state], m)
         if r.on_event is not None:
             try:
                 r.on_event(r, list(new or []), True)
@@ -433,19 +412,7 @@ class Engine:
     def metrics(self) -> dict[str, Any]:
         """Counters (over all requests, live) and gauges, with vLLM's names."""
         with self.lock:
-            out: dict[str, Any] = dict(self.totals)
-            per_pos, hist = list(self.totals_per_pos), list(self.totals_hist)
-            for r in self.running:
-                m = self.published.get(r.id) or r.metrics  # as of its last round (engine thread)
-                for c in COUNTERS:
-                    out[c] += m[c]
-                add_into(per_pos, m["spec_decode_num_accepted_tokens_per_pos"])
-                add_into(hist, m["accept_len_hist"])
-            out["spec_decode_num_accepted_tokens_per_pos"] = per_pos
-            out["accept_len_hist"] = hist
-            drafts = out["spec_decode_num_drafts"]
-            out["mean_accept_len"] = 1.0 + out["spec_decode_num_accepted_tokens"] / drafts if drafts else None
-            out.update(self.outcomes)
+            out = self.stats.counters(self.running)
             out["num_running"] = len(self.running)
             out["num_waiting"] = len(self.waiting)
             out["kv_used_tokens"] = self.pool.used_tokens
@@ -453,13 +420,6 @@ class Engine:
             out["kv_usage"] = self.pool.used_tokens / self.pool.total_tokens
             out["speculation"] = self.speculate
         return out
-
-
-def add_into(total: list[int], counts: list[int]) -> None:
-    """total += counts elementwise, growing total as needed."""
-    total.extend([0] * (len(counts) - len(total)))
-    for i, n in enumerate(counts):
-        total[i] += n
 
 
 def check_engine_target(spec: Any) -> None:

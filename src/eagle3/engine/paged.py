@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ..cache import masked_attention, slots_upto
-from ..decoding.backend import region_mask
 from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
+from ..decoding.runner import region_mask
 from ..errors import Eagle3Error
 
 
@@ -111,7 +111,7 @@ class PagedKV:
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False) -> None:
-        self.exact = exact  # row-invariant attention (see `kv.masked_attention`)
+        self.exact = exact  # row-invariant attention (see `cache.masked_attention`)
         shape = (n_slots + 1, n_kv_heads, head_dim)  # + the trash slot
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -144,10 +144,11 @@ class PagedKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                write_slots: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
-        """Write k, v at `write_slots` (B, T); attend q over the prepared rows under `mask`."""
+               softcap: float | None = None, stock: bool = False) -> torch.Tensor:
+        """Write k, v at `write_slots` (B, T); attend q over the prepared rows under `mask`
+        (`stock`: SDPA even on a row-invariant cache, for a prompt's forward)."""
         keys, values = self.update(layer, write_slots, k, v)
-        return masked_attention(q, keys, values, mask, scale, softcap, self.exact)
+        return masked_attention(q, keys, values, mask, scale, softcap, self.exact and not stock)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from slots `src` (N,) to slots `dst` (N,)."""
@@ -197,7 +198,7 @@ def place(table: torch.Tensor, trash: int, layout: Layout, T: int,
     return write, read, rope.masked_fill(~valid, 0), mask[:, None], key_pos
 
 
-class PagedBackend(EagerDrafting):
+class PagedRunner(EagerDrafting):
     """Many sequences over one page pool: the engine's target and draft forwards.
 
     Sequences are named by their `id`; their pages come from `pool` (`PagePool.grow`
@@ -236,14 +237,14 @@ class PagedBackend(EagerDrafting):
         return place(self._table, self.pool.trash, layout, T, self.device)
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
-               with_features: bool = True,
-               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_features: bool = True, last_only: bool = False,
+               prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         write, read, rope, mask, key_pos = self._place(seqs, layout, tokens.shape[1])
         self.tkv.prepare(read, self._start)
         logits, taps = self.target_model.forward_logits_taps(
             tokens, write, self.tkv, attn_mask=mask, rope_pos=rope, key_pos=key_pos,
             key_slots=slots_upto(read.shape[1], self.device), last_only=last_only,
-            with_taps=with_features and self.has_draft, taps=self.taps)
+            with_taps=with_features and self.has_draft, taps=self.taps, prefill=prefill)
         return logits, (self.draft_model.fuse(taps) if taps is not None else None)
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,

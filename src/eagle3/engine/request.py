@@ -17,6 +17,7 @@ from typing import Any
 
 from ..decoding.round import SequenceState
 from ..decoding.sampling import SamplingParams
+from ..decoding.types import SpecStats
 
 
 class RequestState(enum.Enum):
@@ -76,8 +77,8 @@ class Request:
         """Latencies (seconds) and vLLM-named speculation counters for this request."""
         t0 = self.arrival
         n = len(self.token_ids)
-        st = self.seq.stats if self.seq is not None else {}
-        drafts = st.get("rounds", 0)
+        st = self.seq.stats if self.seq is not None else SpecStats()
+        drafts = st.rounds
         itl = None
         if n > 1 and self.first_token_at is not None and self.last_token_at is not None:
             itl = (self.last_token_at - self.first_token_at) / (n - 1)
@@ -89,9 +90,9 @@ class Request:
             "prompt_tokens": len(self.prompt_ids),
             "generation_tokens": n,
             "spec_decode_num_drafts": drafts,
-            "spec_decode_num_draft_tokens": st.get("draft_tokens", 0),
-            "spec_decode_num_accepted_tokens": st.get("accepted_tokens", 0),
-            "spec_decode_num_accepted_tokens_per_pos": list(st.get("accepted_per_position", [])),
-            "accept_len_hist": list(st.get("accept_len_hist", [])),
-            "mean_accept_len": 1.0 + st["accepted_tokens"] / drafts if drafts else None,
+            "spec_decode_num_draft_tokens": st.draft_tokens,
+            "spec_decode_num_accepted_tokens": st.accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(st.accepted_per_position),
+            "accept_len_hist": list(st.accept_len_hist),
+            "mean_accept_len": st.mean_accept_len if drafts else None,
         }

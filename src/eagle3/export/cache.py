@@ -39,7 +39,7 @@ class ExportKVCache(nn.Module):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                input_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, stock: bool = False) -> torch.Tensor:
         """q (B, nh, T, hd), k/v (B, n_kv, T, hd) after RoPE, at positions input_pos[0].. -> (B, T, nh*hd).
 
         Causal from input_pos[0] by construction: `mask` and `kv_len` are not needed (export

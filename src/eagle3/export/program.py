@@ -1,9 +1,10 @@
 """`eagle3 export`: torch.export the speculator's methods and lower them to one ExecuTorch program.
 
 The program holds the four methods of ExecuTorch's `Eagle3Speculator` contract
-over shared state, the caches being mutable buffers that every method
-reads and writes in place (`share_mutable_buffers`), plus `draft_step` (draft_decode
-of one token, static) and `plain_decode` (decode without the taps: plain decoding):
+(`contract.SpeculatorMethods`, the same code the eager speculator runs) over shared
+state, the caches being mutable buffers that every method reads and writes in place
+(`share_mutable_buffers`), plus `draft_step` (draft_decode of one token, static) and
+`plain_decode` (decode without the taps: plain decoding):
 
     prefill(tokens (1, T), input_pos (T,))       -> (token (1,), feature (1, T, H))      T: 2..max_len
     target_verify(tokens (1, T), input_pos (T,)) -> (verify_ids (1, T), feature (1, T, H)) T: 2..K+1
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..contract import CONTRACT_METHODS, SpeculatorMethods
 from ..errors import Eagle3Error
 from ..files import atomic_dir, check_writable
 from .cache import ExportKVCache
@@ -35,41 +37,20 @@ PROGRAM_FILE = "program.pte"
 META_FILE = "eagle3_program.json"
 FORMAT_VERSION = 1
 QUANTIZE_MODES = ("none", "int8", "int4")
-CONTRACT_METHODS = ("prefill", "target_verify", "draft_decode", "decode")
 EXTRA_METHODS = ("draft_step", "plain_decode")
 
 
-class SpeculatorProgram(nn.Module):
-    """The target, the head and their export caches; its methods are what gets exported."""
+class SpeculatorProgram(SpeculatorMethods):
+    """The contract's methods (`contract.SpeculatorMethods`, the eager reference itself) over
+    export caches, plus two methods for speed; its methods are what gets exported."""
 
     def __init__(self, target: Any, draft: Any, taps: tuple[int, ...], max_seq_len: int) -> None:
-        super().__init__()
         cfg, dcfg = target.config, draft.config
-        self.taps = tuple(taps)
         dtype = target.lm_head.weight.dtype
-        self.target, self.draft = target, draft
-        self.target_cache = ExportKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq_len,
-                                          cfg.head_dim, dtype)
-        self.draft_cache = ExportKVCache(1, dcfg.num_key_value_heads, max_seq_len, dcfg.head_dim, dtype)
-
-    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       last_only=True, taps=self.taps)
-        return logits[:, -1].argmax(-1), self.draft.fuse(taps)
-
-    def target_verify(self, tokens: torch.Tensor,
-                      input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, taps = self.target.forward_logits_taps(tokens, input_pos, self.target_cache,
-                                                       taps=self.taps)
-        return logits.argmax(-1), self.draft.fuse(taps)
-
-    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor,
-                     input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, h = self.draft(tokens, feature, input_pos, self.draft_cache)
-        return self.draft.to_target_ids(logits.argmax(-1)), h
-
-    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.prefill(tokens, input_pos)
+        super().__init__(target, draft, taps,
+                         ExportKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq_len,
+                                       cfg.head_dim, dtype),
+                         ExportKVCache(1, dcfg.num_key_value_heads, max_seq_len, dcfg.head_dim, dtype))
 
     # Beyond the contract, for speed. plain_decode: a plain decoding step without the taps and
     # the head's fc, so that the program's own plain decoding is a fair baseline.
@@ -79,7 +60,7 @@ class SpeculatorProgram(nn.Module):
         return logits[:, -1].argmax(-1)
 
     # draft_step: a method whose input length changes re-plans its XNNPACK
-    # graphs (~0.06 ms here), and draft steps alternate with multi-token rebuilds every round.
+    # graphs (docs/export.md), and draft steps alternate with multi-token rebuilds every round.
     def draft_step(self, tokens: torch.Tensor, feature: torch.Tensor,
                    input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """draft_decode of one token: a method of its own, so its shapes never change."""

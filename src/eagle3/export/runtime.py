@@ -1,13 +1,13 @@
 """The `executorch` backend: the speculative round over an exported program's methods.
 
-`ProgramBackend` implements `decoding.backend.Backend` with the program's methods
+`ProgramRunner` implements `decoding.runner.Runner` with the program's methods
 (`executorch.runtime`), so `generate` runs the same round (`decoding.round`) as the
 eager backend. The program owns the KV caches and returns token ids rather than
-logits: the backend hands them to the round as one-hot scores, so greedy acceptance
-reads them unchanged. `ExecutorchSpeculator` is an `Eagle3Speculator` over that
-backend whose four contract methods call the program too, with one `kv.SlotBook`
-per cache checking that every call writes contiguous slots (the exported attention
-is causal from its first position).
+logits: the runner hands them to the round as one-hot scores, so greedy acceptance
+reads them unchanged. Both it and `ExecutorchSpeculator` (an `Eagle3Speculator` over
+that runner) call the program through `LoweredMethods`, the contract's four methods as
+lowered, with one `cache.SlotBook` per cache checking that every call writes contiguous
+slots (the exported attention is causal from its first position).
 
 Greedy plain decoding and greedy chain drafting run here; trees (the exported
 verify takes no tree mask), sampling (the methods return ids, not logits) and
@@ -47,7 +47,7 @@ class ProgramConfig:
 
 
 class ProgramTarget:
-    """Host-side stand-in for the target inside a program: its config, taps and cache rewinds."""
+    """Host-side stand-in for the target inside a program: its config, taps and slot books."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
         self.config = ProgramConfig(meta["vocab_size"], meta["max_seq_len"], tuple(meta["eos_token_ids"]))
@@ -56,9 +56,6 @@ class ProgramTarget:
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> SlotBook:
         return SlotBook(max_len or self.config.max_seq_len)
-
-    def truncate_cache(self, cache: SlotBook, length: int) -> None:
-        cache.truncate(length)
 
 
 @dataclass(frozen=True)
@@ -78,8 +75,49 @@ class ProgramHead:
         return SlotBook(max_len)
 
 
-class ProgramBackend(EagerDrafting):
-    """`decoding.backend.Backend` over a program's methods: one sequence, chains, greedy."""
+class LoweredMethods:
+    """The contract's four methods (`contract.SpeculatorMethods`) answered by the graphs that
+    `eagle3 export` lowered from them: the same signatures, greedy ids instead of logits.
+    A one-token prefill or decode runs the program's `decode` (its prefill takes 2+ tokens) and a
+    one-token draft its `draft_step`; without a head, decode is `plain_decode` (no feature)."""
+
+    def __init__(self, run: Any, max_draft_tokens: int, speculate: bool) -> None:
+        self.run, self.max_draft_tokens, self.speculate = run, max_draft_tokens, speculate
+
+    def _target(self, name: str, tokens: torch.Tensor, input_pos: torch.Tensor):
+        if tokens.shape[1] == 1:
+            name = "decode" if self.speculate else "plain_decode"
+        out = self.run(name, tokens, input_pos)
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None):
+        ids, feature = self._target("prefill", tokens, input_pos)
+        return ids.view(-1)[-1:], feature
+
+    def check_verify(self, T: int) -> None:
+        """A verify over T tokens fits the program's bound (checked before any slot is booked)."""
+        if T > self.max_draft_tokens + 1:
+            raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
+                              f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
+
+    def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None):
+        self.check_verify(tokens.shape[1])
+        ids, feature = self._target("target_verify", tokens, input_pos)
+        return ids.view(1, -1), feature
+
+    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
+                     kv_len: int | None = None):
+        ids, h = self.run("draft_step" if tokens.shape[1] == 1 else "draft_decode", tokens, feature,
+                          input_pos)
+        return ids.view(1, -1), h
+
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None):
+        ids, feature = self._target("decode", tokens, input_pos)
+        return ids.view(-1), feature
+
+
+class ProgramRunner(EagerDrafting):
+    """`decoding.runner.Runner` over a program's methods: one sequence, chains, greedy."""
 
     def __init__(self, methods: dict[str, Any], meta: dict[str, Any], speculate: bool) -> None:
         self.methods = methods
@@ -91,6 +129,7 @@ class ProgramBackend(EagerDrafting):
         self.supports_trees = False
         self.target_cache = SlotBook(self.max_len)  # the contract methods' checks
         self.draft_cache = SlotBook(self.max_len) if speculate else None
+        self.contract = LoweredMethods(self.run, self.max_draft_tokens, speculate)
 
     def run(self, name: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
         try:
@@ -116,24 +155,19 @@ class ProgramBackend(EagerDrafting):
         return torch.nn.functional.one_hot(ids.view(1, -1), self.vocab_size).float()
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
-               with_features: bool = True,
-               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_features: bool = True, last_only: bool = False,
+               prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = tokens.shape[1]
         pos = self._positions(layout, T)
-        if T > self.max_draft_tokens + 1 and not last_only:
-            raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
-                              f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
         if T == 1 and not with_features:  # plain decoding
             return self._scores(self.run("plain_decode", tokens, pos)[0]), None
-        name = "decode" if T == 1 else "prefill" if last_only else "target_verify"
-        ids, feature = self.run(name, tokens, pos)
+        verify = self.contract.prefill if last_only else self.contract.target_verify
+        ids, feature = verify(tokens, pos)
         return self._scores(ids), feature
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        T = tokens.shape[1]
-        ids, h = self.run("draft_step" if T == 1 else "draft_decode", tokens, features,
-                          self._positions(layout, T))
+        ids, h = self.contract.draft_decode(tokens, features, self._positions(layout, tokens.shape[1]))
         return self._scores(ids), h
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -293,7 +327,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
             load_custom_ops()  # the llama:: kernels the program calls
             check_pte(os.path.join(program_dir, PROGRAM_FILE))
             _loaded = (*_load_methods(Runtime.get(), program_dir, meta["methods"]), meta)
-        self._program, self.methods, self.meta = _loaded
+        self._program, self.lowered, self.meta = _loaded
         if speculate:  # XNNPACK's kernels are not row-invariant (docs/export.md)
             quantized = self.meta.get("quantize", "none") != "none"
             how = (f"is {self.meta['quantize']}-quantized: its int8 activations round differently"
@@ -302,7 +336,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
                    "this program's plain decoding at near-ties; the eager backend is bit-identical")
         self.program_dir = program_dir
         super().__init__(ProgramTarget(self.meta), ProgramHead(self.meta) if speculate else None,
-                         tokenizer, backend=ProgramBackend(self.methods, self.meta, speculate))
+                         tokenizer, runner=ProgramRunner(self.lowered, self.meta, speculate))
         self.taps = None  # fixed inside the program
 
     @property
@@ -311,59 +345,29 @@ class ExecutorchSpeculator(Eagle3Speculator):
 
     def plain(self) -> ExecutorchSpeculator:
         return ExecutorchSpeculator(self.program_dir, self.tokenizer, speculate=False,
-                                    _loaded=(self._program, self.methods, self.meta))
+                                    _loaded=(self._program, self.lowered, self.meta))
 
     def compile(self) -> Eagle3Speculator:
         raise Eagle3Error("compile applies to the eager backend; an ExecuTorch program is already "
                           "lowered (drop compile or use backend='native')")
 
-    # -- the ExecuTorch contract, through the program ----------------------------------------------
-    @staticmethod
-    def _claim(book: SlotBook, input_pos: torch.Tensor, T: int) -> None:
-        """The exported attention is causal from input_pos[0]: positions must be consecutive."""
-        if T > 1 and not bool((input_pos.diff() == 1).all()):
-            raise Eagle3Error("an exported program takes consecutive positions (start, start+1, ...); "
-                              "tree-shaped or gapped input_pos needs the eager backend")
-        book.claim(int(input_pos[0]), T)
-
-    def _call_target(self, tokens: torch.Tensor, input_pos: torch.Tensor, name: str):
-        T = tokens.shape[1]
-        if name == "target_verify" and T > self.max_draft_tokens + 1:
-            raise Eagle3Error(f"target_verify over {T} tokens exceeds the program's bound "
-                              f"({self.max_draft_tokens + 1}); export with --max-draft-tokens {T - 1}")
-        self._claim(self.target_cache, input_pos, T)
-        if T == 1 and name != "target_verify":
-            name = "decode" if self.draft is not None else "plain_decode"
-        out = self.backend.run(name, tokens, input_pos)
-        return out[0], (out[1] if len(out) > 1 else None)
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
-                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, feature = self._call_target(tokens, input_pos, "prefill")
-        return ids.view(-1)[-1:], feature
+    # -- the ExecuTorch contract, through the program's lowered methods -----------------------------
+    @property
+    def contract(self) -> LoweredMethods:
+        return self.runner.contract
 
     @torch.no_grad()
     def target_verify(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
                       kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, feature = self._call_target(tokens, input_pos, "target_verify")
-        return ids.view(1, -1), feature
+        self.contract.check_verify(tokens.shape[1])  # a refused call books no slots
+        return super().target_verify(tokens, input_pos, kv_len=kv_len)
 
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, *,
-               kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, feature = self._call_target(tokens, input_pos, "decode")
-        return ids.view(-1), feature
-
-    @torch.no_grad()
-    def draft_decode(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor, *,
-                     kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.draft is None:
-            raise Eagle3Error("this speculator has no draft head (plain decoding)")
-        T = tokens.shape[1]
-        self._claim(self.draft_cache, input_pos, T)
-        ids, h = self.backend.run("draft_step" if T == 1 else "draft_decode", tokens, feature, input_pos)
-        return ids.view(1, -1), h
+    def _claim(self, cache: Any, input_pos: torch.Tensor, T: int, kv_len: int | None) -> None:
+        """The exported attention is causal from input_pos[0]: positions must be consecutive."""
+        if T > 1 and not bool((input_pos.diff() == 1).all()):
+            raise Eagle3Error("an exported program takes consecutive positions (start, start+1, ...); "
+                              "tree-shaped or gapped input_pos needs the eager backend")
+        cache.claim(int(input_pos[0]), T)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,

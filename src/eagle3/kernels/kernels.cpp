@@ -10,7 +10,7 @@
 // once per call and applied to every row, row m's result depends on x[m] and W only, and each
 // output column is computed by one thread (no split-K).
 //
-// Packed formats (GGUF's block codes; layouts written by eagle3/kernels/__init__.py):
+// Packed formats (GGUF's block codes; layouts written by eagle3/kernels/formats.py):
 //   Q8_0 (INT8):  w = d * q,        q int8,   d fp16 per block of 32 inputs.
 //   Q4_1 (INT4):  w = d * q + m,    q 0..15,  d, m fp16 per block.
 //   Q4_0 (INT4, no m): w = d * (q - 8).

@@ -1,240 +1,27 @@
-"""Targets: the `TapTarget` protocol, the `TARGETS` registry and checkpoint loading.
-
-`load_target(path)` picks the native PyTorch decoder when the checkpoint's
-`model_type` is supported (see `NATIVE_FAMILIES`), else the transformers
-adapter `HFTarget` (with a notice), or whichever `backend=` asks for.
-"""
+"""Targets: the `TapTarget` protocol, the `TARGETS` registry and checkpoint loading
+(`targets.load`: native decoder, GGUF file or the transformers adapter)."""
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
-
-from ..errors import Eagle3Error, notice
-from .checkpoint import load_into, read_state_dict
-from .config import NATIVE_FAMILIES, DecoderConfig, parse_decoder_config, read_config_json
+from .config import NATIVE_FAMILIES, DecoderConfig
 from .decoder import NativeTarget
-from .gguf import find_gguf
 from .hf import HFTarget
-from .named import MODELS, default_target_dir, resolve_target
+from .load import (
+    TARGETS,
+    TargetSpec,
+    load_gguf,
+    load_hf,
+    load_native,
+    load_target,
+    open_target,
+    read_gguf_target,
+    resolve_dtype,
+    target_path,
+)
+from .named import MODELS, resolve_target
 from .protocol import TapTarget, TargetConfig, default_taps, validate_taps
 
 __all__ = ["TARGETS", "TargetSpec", "TapTarget", "TargetConfig", "NativeTarget", "HFTarget",
            "DecoderConfig", "load_target", "load_native", "load_hf", "default_taps",
-           "validate_taps", "NATIVE_FAMILIES", "MODELS", "resolve_target", "load_gguf"]
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """None -> float32 (CPU default); strings like 'bf16' accepted."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise Eagle3Error(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _generation_eos(path: str) -> tuple[int, ...] | None:
-    gen = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(gen):
-        return None
-    try:
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise Eagle3Error(f"{gen} is not a valid JSON object; fix or delete it") from None
-    if eos is None:
-        return None
-    ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
-        raise Eagle3Error(f"{gen}: eos_token_id must be an integer or a list of integers, got {eos!r}; "
-                          "fix or delete the file")
-    return tuple(ids)
-
-
-def load_native(path: str, *, dtype: torch.dtype | str | None = None,
-                max_seq_len: int | None = None, taps=None) -> NativeTarget:
-    """Load a supported HF checkpoint directory into a `NativeTarget`."""
-    raw = read_config_json(path)
-    cfg = parse_decoder_config(raw, where=os.path.join(path, "config.json"), max_seq_len=max_seq_len)
-    eos = _generation_eos(path)
-    if eos is not None:
-        cfg.eos_token_ids = eos
-    return _build_native(cfg, read_state_dict(path), path, dtype, taps)
-
-
-def load_gguf(path: str, *, dtype: torch.dtype | str | None = None,
-              max_seq_len: int | None = None, taps=None, codes_only: bool = False) -> NativeTarget:
-    """Load a GGUF file (llama.cpp's format; weights dequantized) into a `NativeTarget`.
-
-    The target keeps `gguf_blocks` ({tensor name: `gguf.block_codes`} for Q8_0/Q4_0/Q4_1
-    tensors) and `gguf_types` ({tensor name: GGUF type}), which `quantize='gguf'` turns into
-    weight formats holding the file's codes as they are; both are dropped otherwise.
-    `codes_only`: the caller will run `quantize='gguf'`, so layers stored in those types are
-    not dequantized at all (`gguf.state_dict`): the load peaks near the codes' size.
-    """
-    from .gguf import read_gguf, state_dict
-
-    ckpt = read_gguf(path)
-    cfg = parse_decoder_config(ckpt.config, where=path, max_seq_len=max_seq_len)
-    blocks: dict = {}
-    types: dict = {}
-    state, unused = state_dict(ckpt, blocks, types, codes_only=codes_only)
-    if unused:
-        notice(f"{path}: ignoring {len(unused)} GGUF tensor(s) with no native counterpart "
-               f"(e.g. {unused[0]})")
-    model = _build_native(cfg, state, path, dtype, taps)
-    model.gguf_blocks = blocks
-    model.gguf_types = types
-    return model
-
-
-def check_sizes(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str) -> None:
-    """The config's vocabulary, width and depth against the tensors, before any module is built:
-    a corrupt config (10**9 layers, a huge hidden size) fails here instead of exhausting memory."""
-    embed = state.get("model.embed_tokens.weight")
-    if not isinstance(embed, torch.Tensor):
-        raise Eagle3Error(f"{where} lacks tensor model.embed_tokens.weight: the weights are "
-                          "incomplete or not a causal LM; re-download or re-convert the checkpoint")
-    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise Eagle3Error(f"{where}: model.embed_tokens.weight has shape {tuple(embed.shape)} but the "
-                          f"config implies ({cfg.vocab_size}, {cfg.hidden_size}); the config and weights "
-                          "disagree (fix the config, or re-download / re-convert the checkpoint)")
-    found = {k.split(".")[2] for k in state if k.startswith("model.layers.")}
-    if cfg.num_hidden_layers > len(found):
-        raise Eagle3Error(f"{where}: the config says {cfg.num_hidden_layers} layers but the weights "
-                          f"hold {len(found)}; fix the config, or re-download / re-convert the checkpoint")
-
-
-def _build_native(cfg: DecoderConfig, state: dict[str, torch.Tensor], where: str, dtype,
-                  taps) -> NativeTarget:
-    dt = resolve_dtype(dtype)
-    check_sizes(cfg, state, where)
-    with torch.device("meta"):
-        model = NativeTarget(cfg)
-    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    extra = load_into(model, state, where, dtype=dt, optional=optional,
-                      ignore_suffixes=("rotary_emb.inv_freq", "lm_head.weight"))
-    if extra:
-        notice(f"{where}: ignoring {len(extra)} tensor(s) the model does not use "
-               f"(e.g. {extra[0]})")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    state.clear()  # the model holds the tensors now: fusing then frees each layer's parts as it goes
-    model.build_buffers()
-    model.fuse_projections()
-    if taps is not None:
-        model.tap_layers = taps
-    return model.eval().requires_grad_(False)
-
-
-def load_hf(path: str, *, dtype: torch.dtype | str | None = None,
-            max_seq_len: int | None = None, taps=None) -> HFTarget:
-    """Load any checkpoint transformers can load, through the `HFTarget` adapter."""
-    read_config_json(path)  # same clear errors as the native path
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise Eagle3Error("the transformers adapter needs transformers: "
-                          "pip install 'eagle3[hf]'") from None
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its multi-line load reports would bury our one-line error
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-    except Exception as e:  # transformers and safetensors raise many unrelated types here
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise Eagle3Error(f"transformers could not load {path} ({reason}); check the checkpoint "
-                          "is complete and matches its config.json") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return HFTarget(model, max_seq_len=max_seq_len, taps=taps)
-
-
-def target_path(target: str) -> tuple[str, str | None]:
-    """Where `target` (a checkpoint dir, a .gguf file or a directory holding one, a model name
-    or 'default') lives: (path, its GGUF file or None), resolved as `load_target` does."""
-    if target == "default":
-        target = default_target_dir()
-    path = resolve_target(target)
-    exists = os.path.exists(path) or path.endswith(".gguf")
-    return path, find_gguf(path) if exists else None
-
-
-def _load_default(path: str | None = None, **kw) -> TapTarget:
-    return load_target(default_target_dir(), **kw)
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """How to load one kind of target, and the forward lengths it accepts (export bounds)."""
-
-    load: Callable[..., TapTarget]
-    max_forward_len: int
-    min_forward_len: int = 1
-    description: str = ""
-
-
-TARGETS: dict[str, TargetSpec] = {
-    "llama": TargetSpec(load_native, 4096, 1, "Llama 2/3/3.1 (rope_scaling none, linear, llama3)"),
-    "mistral": TargetSpec(load_native, 4096, 1, "Mistral (sliding window)"),
-    "qwen2": TargetSpec(load_native, 4096, 1, "Qwen2 / Qwen2.5 (q/k/v bias)"),
-    "qwen3": TargetSpec(load_native, 4096, 1, "Qwen3 (q/k RMSNorm)"),
-    "gemma2": TargetSpec(load_native, 4096, 1, "Gemma 2 (soft-capping, sliding window)"),
-    "gemma3_text": TargetSpec(load_native, 4096, 1, "Gemma 3 text (q/k norm, local/global RoPE)"),
-    "hf": TargetSpec(load_hf, 4096, 1, "any transformers AutoModelForCausalLM (adapter)"),
-    "gguf": TargetSpec(load_gguf, 4096, 1, "a GGUF file (llama.cpp): llama, qwen2, qwen3, gemma2, gemma3"),
-    "default": TargetSpec(_load_default, 4096, 1, "the embedded default: SmolLM2-135M-Instruct (GGUF)"),
-}
-
-BACKENDS = ("auto", "native", "hf")
-
-
-def load_target(target: str, *, dtype: torch.dtype | str | None = None, backend: str = "auto",
-                max_seq_len: int | None = None, taps=None, gguf_codes_only: bool = False) -> TapTarget:
-    """Load `target` (a checkpoint dir, a .gguf file, a registered model name or 'default').
-
-    backend: 'auto' (native when the architecture is supported, else the
-    transformers adapter), 'native', or 'hf'. gguf_codes_only: for a GGUF file, see
-    `load_gguf(codes_only=)` (the caller then must prepare it with quantize='gguf').
-    """
-    if backend not in BACKENDS:
-        raise Eagle3Error(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise Eagle3Error(f"max_seq_len must be >= 2, got {max_seq_len}")
-    kw = dict(dtype=dtype, max_seq_len=max_seq_len, taps=taps)
-    if target == "default":
-        return _load_default(backend=backend, gguf_codes_only=gguf_codes_only, **kw)
-    target = resolve_target(target)
-    gguf_file = find_gguf(target)
-    if gguf_file is not None:
-        if backend == "hf":
-            raise Eagle3Error(f"{gguf_file} is a GGUF file, which loads natively only; drop "
-                              "backend='hf' (--backend hf)")
-        return load_gguf(gguf_file, codes_only=gguf_codes_only, **kw)
-    if target in TARGETS and not os.path.isdir(target):
-        raise Eagle3Error(f"'{target}' is a target family, not a checkpoint: pass the checkpoint "
-                          "directory (the family is read from its config.json)")
-    raw = read_config_json(target)
-    if backend == "hf":
-        return load_hf(target, **kw)
-    if backend == "native" or raw.get("model_type") in NATIVE_FAMILIES:
-        try:
-            return load_native(target, **kw)
-        except Eagle3Error as e:
-            if backend == "native" or "backend='hf'" not in str(e):
-                raise
-            notice(f"{e}; falling back to the transformers adapter")
-            return load_hf(target, **kw)
-    notice(f"model_type '{raw.get('model_type')}' has no native target; using the transformers "
-           "adapter (slower)")
-    return load_hf(target, **kw)
+           "validate_taps", "NATIVE_FAMILIES", "MODELS", "resolve_target", "load_gguf",
+           "resolve_dtype", "target_path", "open_target", "read_gguf_target"]

@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..errors import Eagle3Error, wrong_values_as
+from ..errors import Eagle3Error, NotNative, wrong_values_as
 
 # model_type -> family. The family decides the block layout and norms.
 NATIVE_FAMILIES = {
@@ -107,10 +107,10 @@ def rope_from_dict(d: dict | None, theta: float, where: str) -> RopeConfig:
     rope_type = d.get("rope_type", d.get("type", "default")) or "default"
     theta = float(d.get("rope_theta", theta))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise Eagle3Error(f"{where}: rope type '{rope_type}' is not supported natively "
+        raise NotNative(f"{where}: rope type '{rope_type}' is not supported natively "
                           f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); load with backend='hf'")
     if d.get("partial_rotary_factor", 1.0) != 1.0:
-        raise Eagle3Error(f"{where}: partial rotary embeddings are not supported natively; "
+        raise NotNative(f"{where}: partial rotary embeddings are not supported natively; "
                           "load with backend='hf'")
     rope = RopeConfig(
         theta=theta, rope_type=rope_type, factor=float(d.get("factor", 1.0)),
@@ -190,7 +190,7 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
     model_type = cfg.get("model_type")
     if model_type not in NATIVE_FAMILIES:
         supported = ", ".join(sorted(NATIVE_FAMILIES))
-        raise Eagle3Error(f"{where}: model_type '{model_type}' has no native target (supported: "
+        raise NotNative(f"{where}: model_type '{model_type}' has no native target (supported: "
                           f"{supported}); load it through the transformers adapter with "
                           "backend='hf' (--backend hf)")
     gemma = NATIVE_FAMILIES[model_type] == "gemma"
@@ -236,7 +236,7 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
     act_map = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_tanh": "gelu_tanh"}
     if act not in act_map:
-        raise Eagle3Error(f"{where}: activation '{act}' is not supported natively; "
+        raise NotNative(f"{where}: activation '{act}' is not supported natively; "
                           "load with backend='hf'")
 
     eos = cfg.get("eos_token_id")

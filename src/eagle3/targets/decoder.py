@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import StaticKVCache, slots_upto
-from ..kernels import FMT_ID, QLinear, fused_step_ok, in_prefill
+from ..kernels import FMT_ID, QLinear, fused_step_ok, project
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
 from .protocol import default_taps, validate_taps
 
@@ -84,34 +84,36 @@ class Attention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int) -> torch.Tensor:
+                input_pos: torch.Tensor, cache: StaticKVCache, kv_len: int,
+                stock: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd,
-                                              self.n_kv * self.hd], dim=-1)
+            q, k, v = project(self.qkv_proj, x, stock).split(
+                [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (project(p, x, stock) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(B, T, self.n_heads, self.hd)
         k = k.view(B, T, self.n_kv, self.hd)
         v = v.view(B, T, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = cached_attention(q, k, v, cos, sin, mask, input_pos, cache, self.layer, kv_len,
-                               self.scale, self.softcap)
-        return self.o_proj(out)
+                               self.scale, self.softcap, stock)
+        return project(self.o_proj, out, stock)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor,
                      cache: StaticKVCache, layer: int, kv_len: int, scale: float | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, stock: bool = False) -> torch.Tensor:
     """RoPE, then the cache's one attention entry point (`attend`: write K/V at `input_pos`,
     attend over slots [0, kv_len) under `mask`), whatever the cache: static (`cache.StaticKVCache`),
     paged (`engine.paged.PagedKV`) or an exported program's (`export.cache.ExportKVCache`).
 
     q (B, T, nh, hd), k/v (B, T, nkv, hd), mask (T, kv_len) bool -> (B, T, nh*hd).
     The engine's ragged batches pass per-row cos/sin (B, T, hd), a (B, 1, T, kv_len)
-    mask and (B, T) write slots, which its paged cache interprets.
+    mask and (B, T) write slots, which its paged cache interprets. `stock`: a prompt's
+    forward, which may take SDPA on a row-invariant cache (`QLinear.forward` says why).
     """
     hd = q.shape[-1]
     if fused_step_ok(q, k, cos) and q.stride(-1) == k.stride(-1) == 1:
@@ -120,13 +122,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         torch.ops.eagle3.rope_(q, cos, sin)
         torch.ops.eagle3.rope_(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
-        return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap)
+        return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap,
+                            stock)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, hd)
     if cos.dim() == 3:  # per-row positions (B, T, hd): the engine's ragged batches
         cos, sin = cos[:, None], sin[:, None]
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
-    return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap)
+    return cache.attend(layer, q, k, v, input_pos, mask, kv_len, scale or hd ** -0.5, softcap, stock)
 
 
 class MLP(nn.Module):
@@ -146,18 +149,19 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stock: bool = False) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)  # (..., 2I)
+            gate_up = project(self.gate_up_proj, x, stock)  # (..., 2I)
             if self.fused and not self.gelu and fused_step_ok(gate_up):
-                return self.down_proj(torch.ops.eagle3.silu_mul(gate_up))
+                return project(self.down_proj, torch.ops.eagle3.silu_mul(gate_up), stock)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = project(self.gate_proj, x, stock), project(self.up_proj, x, stock)
             if self.fused and not self.gelu and fused_step_ok(gate):  # as `eagle3::decoder_layer`
-                return self.down_proj(torch.ops.eagle3.silu_mul(torch.cat([gate, up], dim=-1)))
+                return project(self.down_proj, torch.ops.eagle3.silu_mul(torch.cat([gate, up], dim=-1)),
+                               stock)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)
+        return project(self.down_proj, gate * up, stock)
 
 
 # The checkpoint weights each fused projection concatenates (rows in this order).
@@ -261,15 +265,16 @@ class Block(OneOpLayer):
             h, *self._step_args, cos, sin, cache.k[a.layer], cache.v[a.layer], input_pos, mask,
             kv_len, a.n_heads, a.n_kv, self.input_layernorm.eps, a.scale, a.softcap or 0.0)
 
-    def forward(self, h: torch.Tensor, *attn_args) -> torch.Tensor:
-        if self._fused and one_op_ok(h, *attn_args) and self.step_args():
+    def forward(self, h: torch.Tensor, *attn_args, stock: bool = False) -> torch.Tensor:
+        """`stock`: a prompt's forward (stock float kernels; `QLinear.forward` says why)."""
+        if not stock and self._fused and one_op_ok(h, *attn_args) and self.step_args():
             return self.one_op(h, *attn_args)
-        a = self.self_attn(self.input_layernorm(h), *attn_args)
+        a = self.self_attn(self.input_layernorm(h), *attn_args, stock=stock)
         if self.gemma:
             h = h + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), stock))
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), stock)
 
 
 def layer_op_args(ln1: torch.Tensor, ln2: torch.Tensor, projections: list[list[nn.Module]]
@@ -299,11 +304,10 @@ def layer_op_args(ln1: torch.Tensor, ln2: torch.Tensor, projections: list[list[n
 def one_op_ok(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
               input_pos: torch.Tensor, cache: object, kv_len: int) -> bool:
     """Whether a forward's layers may run as `eagle3::decoder_layer`: a row-invariant static
-    cache, one position per token (not the engine's per-row ones), outside a prompt's stock
-    kernels, autograd and compilation."""
+    cache, one position per token (not the engine's per-row ones), outside autograd and
+    compilation (a prompt's forward, `stock`, never asks)."""
     return (type(cache) is StaticKVCache and cache.exact and cos.dim() == 2 and mask.dim() == 2
-            and cos.is_contiguous() and sin.is_contiguous() and not in_prefill()
-            and fused_step_ok(h, cos))
+            and cos.is_contiguous() and sin.is_contiguous() and fused_step_ok(h, cos))
 
 
 class Backbone(nn.Module):
@@ -359,8 +363,6 @@ class NativeTarget(nn.Module):
         # Row-invariant kernels (`kernels.prepare_target`): verify rows == decode rows bitwise.
         self.exact = False
         self.weight_format: str | None = None  # a `kernels.FORMATS` name once prepared
-        self.gguf_blocks: dict | None = None  # a GGUF file's codes, until prepared (load_gguf)
-        self.gguf_types: dict | None = None
         # The KV cache's dtype (None: the weights' dtype). `kernels.prepare_target` sets bf16 for
         # the packed formats: half the cache's memory and reads, each element rounded alone
         # (row-invariant), an error far below int8 activations' (docs/weight-formats.md, "KV cache in bf16").
@@ -448,9 +450,6 @@ class NativeTarget(nn.Module):
                              device=self.embedding_weight.device,
                              exact=self.exact)
 
-    def truncate_cache(self, cache: StaticKVCache, length: int) -> None:
-        cache.truncate(length)
-
     def compact_cache(self, cache: StaticKVCache, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to slots dst_start.. (an accepted tree path)."""
         cache.compact(src_slots, dst_start)
@@ -461,7 +460,7 @@ class NativeTarget(nn.Module):
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
                             with_taps: bool = True, key_slots: torch.Tensor | None = None,
                             key_pos: torch.Tensor | None = None,
-                            taps: tuple[int, ...] | None = None,
+                            taps: tuple[int, ...] | None = None, prefill: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run tokens (B, T) at slots `input_pos` (T,); see `TapTarget` for the arguments.
 
@@ -472,7 +471,8 @@ class NativeTarget(nn.Module):
         `taps`: the layers to tap (default `tap_layers`), so speculators sharing one target
         never change its state. The engine's paged backend (`engine/paged.py`) calls this with
         per-row (B, T) write slots as `input_pos`, (B, T) `rope_pos`, a (B, 1, T, S)
-        `attn_mask`, (B, S) `key_pos` and its paged cache.
+        `attn_mask`, (B, S) `key_pos` and its paged cache. `prefill`: a prompt's forward, whose
+        float32 layers and attention may take PyTorch's stock kernels (`QLinear.forward`).
         """
         if key_slots is None:
             key_slots = slots_upto(kv_len or cache.max_len, tokens.device)
@@ -498,20 +498,21 @@ class NativeTarget(nn.Module):
         want = set(self.tap_layers if taps is None else taps) if with_taps else set()
         taps = []
         # Decided once per forward, not per layer: the one-op layers skip the module call.
-        one_op = self.exact and one_op_ok(h, *rot[0], masks[0], input_pos, cache, S)
+        one_op = self.exact and not prefill and one_op_ok(h, *rot[0], masks[0], input_pos, cache, S)
         for i, layer in enumerate(self.model.layers):
             if i in want:
                 taps.append(h)
             cos, sin = rot[self.layer_rope_idx[i]]
             args = (cos, sin, masks[self.layer_window_idx[i]], input_pos, cache, S)
-            h = layer.one_op(h, *args) if one_op and layer.fused and layer.step_args() else layer(h, *args)
+            h = (layer.one_op(h, *args) if one_op and layer.fused and layer.step_args()
+                 else layer(h, *args, stock=prefill))
         if self.config.num_hidden_layers in want:  # tap L is the final normed state
             h = self.model.norm(h)
             taps.append(h)
             h = h[:, -1:] if last_only else h
         else:
             h = self.model.norm(h[:, -1:] if last_only else h)
-        logits = self.lm_head(h)  # (B, T|1, V)
+        logits = project(self.lm_head, h, prefill)  # (B, T|1, V)
         if self.config.final_softcap:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

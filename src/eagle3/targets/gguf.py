@@ -448,12 +448,6 @@ def gguf_tokenizer_dir(path: str) -> str | None:
     return str(out)
 
 
-def stored_quantized(target) -> bool:
-    """Whether a target loaded from a GGUF file holds linear weights stored quantized."""
-    types = getattr(target, "gguf_types", None) or {}
-    return any(not str(t).startswith(("F32", "F16", "BF16")) for t in types.values())
-
-
 def check_built(target) -> None:
     """After `quantize='gguf'`: no layer may still hold a `codes_only` placeholder."""
     from .decoder import is_placeholder
@@ -463,16 +457,25 @@ def check_built(target) -> None:
         raise RuntimeError(f"internal error: {len(left)} layer(s) kept no weights (e.g. {left[0]})")
 
 
-def gguf_layers(target) -> Callable | None:
-    """For a target loaded from a GGUF file: a `kernels.quantize_model` layer builder that
-    puts each linear layer in the format nearest its GGUF type (`quantize='gguf'`); None for
-    other targets. The file's codes are handed over once and then dropped from the target."""
-    blocks, types = getattr(target, "gguf_blocks", None), getattr(target, "gguf_types", None)
-    target.gguf_blocks = target.gguf_types = None
-    if types is None:
-        return None
-    tied = bool(target.config.tie_word_embeddings)
-    return lambda path, lin: _layer(path, lin, tied, blocks, types)
+@dataclass
+class GGUFCodes:
+    """A GGUF file's codes as its loader read them (`load.read_gguf_target`): `blocks` {HF name:
+    `block_codes(...)` or a thunk giving them} for Q8_0 / Q4_0 / Q4_1 tensors, `types` {HF name:
+    GGUF type name} for all; `tied`: the LM head shares the embedding table."""
+
+    blocks: dict
+    types: dict
+    tied: bool
+
+    @property
+    def stored_quantized(self) -> bool:
+        """Whether the file holds linear weights stored quantized."""
+        return any(not str(t).startswith(("F32", "F16", "BF16")) for t in self.types.values())
+
+    def layers(self) -> Callable:
+        """A `kernels.quantize_model` layer builder that puts each linear layer in the format
+        nearest its GGUF type (`quantize='gguf'`); each layer's codes are handed over once."""
+        return lambda path, lin: _layer(path, lin, self.tied, self.blocks, self.types)
 
 
 def _layer(path: str, lin, tied: bool, blocks: dict, types: dict):

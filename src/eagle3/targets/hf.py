@@ -97,15 +97,12 @@ class HFTarget:
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> HFCache:
         return HFCache(self.model, batch_size, max_len or self.config.max_seq_len)
 
-    def truncate_cache(self, cache: HFCache, length: int) -> None:
-        cache.truncate(length)
-
     @torch.no_grad()
     def forward_logits_taps(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: HFCache,
                             *, kv_len: int | None = None, attn_mask: torch.Tensor | None = None,
                             rope_pos: torch.Tensor | None = None, last_only: bool = False,
-                            with_taps: bool = True,
-                            taps: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            with_taps: bool = True, taps: tuple[int, ...] | None = None,
+                            prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if attn_mask is not None:
             raise Eagle3Error("the transformers adapter does not take a custom attention mask "
                               "(tree verification); use a native target")

@@ -61,14 +61,18 @@ class TapTarget(Protocol):
     """A causal LM that returns logits and concatenated taps.
 
     `forward_logits_taps(tokens (B,T), input_pos (T,), cache, *, kv_len=None,
-    attn_mask=None, rope_pos=None, last_only=False, with_taps=True)` returns
+    attn_mask=None, rope_pos=None, last_only=False, with_taps=True, prefill=False)` returns
     `(logits (B,T|1,V), taps (B,T,n_taps*H) or None)`. `input_pos` are the cache
     slots written (== RoPE positions unless `rope_pos` is given); `kv_len` bounds
     the slots attended to (an eager speed-up; None = the whole cache);
     `attn_mask` (T, kv_len) bool replaces the causal mask (tree verification);
     `key_pos` (kv_len,) gives the cached keys' positions for sliding windows when
-    they differ from their slots (tree nodes). Tree verification also needs
+    they differ from their slots (tree nodes); `prefill` marks a prompt's forward, which
+    need not be row-invariant (it is the same call in plain and speculative decoding), so
+    it may take faster stock kernels. Tree verification also needs
     `compact_cache(cache, src_slots, dst_start)`; targets without it run chains.
+    `new_cache(batch_size, max_len)` returns a cache with `claim(start, n)` (the slot
+    checks) and `truncate(length)` (a rollback).
     """
 
     config: Any
@@ -86,4 +90,3 @@ class TapTarget(Protocol):
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> Any: ...
 
-    def truncate_cache(self, cache: Any, length: int) -> None: ...

@@ -1,17 +1,17 @@
-"""What a speculative round needs from the models, and the batch-1 backend behind `generate`.
+"""What a speculative round needs from the models, and the batch-1 runner behind `generate`.
 
-A round (`decoding.round`) asks a backend for drafts, one forward and one cache edit:
+A round (`decoding.round`) asks a runner for drafts, one forward and one cache edit:
 
     draft_chain(rows, k, counts) / draft_tree(rows, shape, counts)
                                                   -> a `Proposal` per group of rows (catch-up
                                                      included; `decoding.drafting.EagerDrafting`
-                                                     builds both on the backend's `draft`)
+                                                     builds both on the runner's `draft`)
     target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), features (B, T, H) | None
     draft(seqs, tokens (B, T), feats, layout)      -> draft logits (B, T, Vd), next features (B, T, H)
     compact(seq, src positions, dst)              -> the target K/V of an accepted tree path moved
                                                      to contiguous positions
 
-How a backend runs them is its own affair: a compiled `StaticBackend` fuses a greedy
+How a runner runs them is its own affair: a compiled `StaticRunner` fuses a greedy
 chain (catch-up included) or a tree into one graph where the shapes allow and keeps one
 graph per K, and the round never knows.
 
@@ -21,10 +21,10 @@ sampled chain, a ragged batch and a sliding-window target. Rewinding is bookkeep
 round keeps (each sequence's `target_len` / `draft_len`): attention only reads
 positions below a query's, and later writes overwrite the rest.
 
-Backends: `StaticBackend` (one sequence, the preallocated `cache.StaticKVCache`s;
+Runners: `StaticRunner` (one sequence, the preallocated `cache.StaticKVCache`s;
 `compile()` swaps its step and drafting functions for `torch.compile`d ones), the engine's
-`engine.paged.PagedBackend` (many sequences over a page pool) and the exported
-program's `export.runtime.ProgramBackend`. Every tensor a backend builds lives on
+`engine.paged.PagedRunner` (many sequences over a page pool) and the exported
+program's `export.runtime.ProgramRunner`. Every tensor a runner builds lives on
 its `device`.
 """
 
@@ -46,7 +46,7 @@ from .types import Proposal
 RECOMPILE_LIMIT = 256
 
 
-class Backend(Protocol):
+class Runner(Protocol):
     """The models and caches a round runs on (see the module docstring)."""
 
     device: torch.device
@@ -60,8 +60,8 @@ class Backend(Protocol):
     def warm(self, max_k: int, start: int) -> None: ...
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
-               with_features: bool = True,
-               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+               with_features: bool = True, last_only: bool = False,
+               prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -81,7 +81,7 @@ def region_mask(layout: Layout, T: int, device: torch.device) -> torch.Tensor:
     return (ar[None, :] <= ar[:, None])[None].expand(len(layout.starts), T, T)
 
 
-class StaticBackend(EagerDrafting):
+class StaticRunner(EagerDrafting):
     """One sequence on a target and head with preallocated static caches (batch 1).
 
     The target cache holds max_seq_len positions; the draft cache has room past it for a
@@ -106,10 +106,12 @@ class StaticBackend(EagerDrafting):
     # -- the two step functions (swapped by compile) --------------------------------------------
     def _eager_target(self, tokens: torch.Tensor, slots: torch.Tensor, key_slots: torch.Tensor,
                       mask: torch.Tensor | None, rope_pos: torch.Tensor | None,
-                      key_pos: torch.Tensor | None, with_features: bool,
-                      last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      key_pos: torch.Tensor | None, with_features: bool, last_only: bool,
+                      prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs: dict[str, Any] = {"kv_len": key_slots.shape[0], "last_only": last_only,
                                   "with_taps": with_features and self.has_draft}
+        if prefill:
+            kwargs["prefill"] = True
         if self.taps is not None:
             kwargs["taps"] = self.taps
         if mask is not None:  # a tree: the transformers adapter never gets here
@@ -125,7 +127,7 @@ class StaticBackend(EagerDrafting):
         return self.draft_model(tokens, features, slots, self.draft_cache, key_slots=key_slots,
                                 attn_mask=mask, rope_pos=rope_pos)
 
-    def compile(self) -> StaticBackend:
+    def compile(self) -> StaticRunner:
         """Run both steps through `torch.compile` (fullgraph; one graph per T and flags, the
         attended length dynamic). Native targets only."""
         from ..targets.decoder import NativeTarget
@@ -241,7 +243,7 @@ class StaticBackend(EagerDrafting):
         drafts = chain_steps(step, draft.to_target_ids, root, feat, step_slots.shape[0] + 1)
         return drafts, root[0], feat[0, 0]
 
-    # -- the Backend protocol -------------------------------------------------------------------
+    # -- the Runner protocol -------------------------------------------------------------------
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:
         """slots (T,), key_slots (S,), mask (T, S) | None, rope (T,) | None, key_pos (S,) | None."""
         start, dev = layout.starts[0], self.device
@@ -259,13 +261,15 @@ class StaticBackend(EagerDrafting):
         return slots, key_slots, mask, rope, key_pos
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
-               with_features: bool = True,
-               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_features: bool = True, last_only: bool = False,
+               prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = tokens.shape[1]
         # A prompt's forward (last_only over T > 1) stays eager: one graph per prompt length
         # would recompile for every new prompt.
-        step = self._eager_target if last_only and T > 1 else self._target_step
-        return step(tokens, *self._place(layout, T), with_features, last_only)
+        if prefill or (last_only and T > 1):
+            return self._eager_target(tokens, *self._place(layout, T), with_features, last_only,
+                                      prefill)
+        return self._target_step(tokens, *self._place(layout, T), with_features, last_only)
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:

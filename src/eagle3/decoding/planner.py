@@ -1,0 +1,120 @@
+"""Automatic plans, for both drivers: one `Planner` per speculator or engine.
+
+A `Planner` holds the cost model (`costs.RoundCosts`, measured once on its runner), the
+acceptance seen so far (`costs.Acceptance`) and the measured round times against the model's
+(`costs.Observed`), and chooses the plan with the most tokens per millisecond
+(`costs.choose_plan`). When to choose again differs by driver, and is written here too:
+
+- the engine (`held`): a choice holds for REPICK_EVERY rounds at one batch size (a choice
+  every round would chase the noise in single rounds' timings);
+- `generate` (`Generation`, one per generation at batch 1): again after 2, 4 and every 8
+  drafting rounds; plain rounds re-probe the head with K=1 every PROBE_EVERY rounds; and once
+  per planner, EXPLORE_PLAIN plain rounds are timed before drafting is trusted to pay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .costs import REPICK_EVERY as REPICK_EVERY
+from .costs import Acceptance, Observed, RoundCosts, choose_plan, repick_now
+from .tree import TreeShape
+from .types import Plan, Verdict
+
+PROBE_EVERY = 32  # plain rounds of automatic K between probes of the head (K=1)
+EXPLORE_PLAIN = 8  # plain rounds automatic K runs once per planner to time them
+PLAIN_SETTLE = 3  # plain rounds after drafting ones that are not timed: the head's forwards evicted
+#                   part of the target from the caches, and the next few steps refill them
+
+
+class Planner:
+    """The cost model, the acceptance and the observed round times of one driver; chooses plans."""
+
+    def __init__(self, kmax: int, tree: TreeShape | None = None) -> None:
+        self.kmax, self.tree = kmax, tree
+        self.costs: RoundCosts | None = None
+        self.acceptance = Acceptance(max(kmax, 1))  # over every round this planner saw
+        self.observed = Observed()
+        self.explored = False  # whether plain rounds were timed (`Generation`)
+        self._held: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
+
+    def measure(self, runner: Any, rows: Any, batch_sizes: list[int], max_T: int,
+                context: int) -> RoundCosts:
+        """Time the runner's forwards (`RoundCosts.measure`) and keep them."""
+        self.costs = RoundCosts.measure(runner, rows, batch_sizes, max_T, context)
+        return self.costs
+
+    def forget_costs(self) -> None:
+        """After the runner changes (compiled): its costs and observed times are stale."""
+        self.costs, self.observed, self._held = None, Observed(), None
+
+    def choose(self, B: int) -> Plan:
+        """The plan with the most tokens per millisecond at batch size B, plain decoding included."""
+        return choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed)
+
+    def observe(self, B: int, plan: Plan, ms: float) -> None:
+        """A round of `plan` at batch size B took `ms`: corrects the model's time for it."""
+        self.observed.record(B, plan, ms, self.costs.round_ms(B, plan))
+
+    def record(self, drafted: int, accepted: int, tree: bool = False) -> None:
+        """One drafting round's acceptance (drafted = the chain's K; a tree's accepted path)."""
+        self.acceptance.record(drafted, accepted, tree=tree)
+
+    def held(self, B: int) -> Plan:
+        """The engine's plan for a batch of B rows: chosen again after REPICK_EVERY rounds at one
+        batch size, or when the batch size changes."""
+        h = self._held
+        if h is not None and h[0] == B and h[2] < REPICK_EVERY:
+            self._held = (B, h[1], h[2] + 1)
+            return h[1]
+        plan = self.choose(B)
+        self._held = (B, plan, 1)
+        return plan
+
+    def generation(self) -> Generation:
+        """The plans of one generation at batch 1 (`generate`), starting from a fresh choice."""
+        return Generation(self)
+
+
+class Generation:
+    """Automatic K through one generation at batch 1: `plan` is the next round's; `after` takes
+    each round's verdict and time and moves it on."""
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+        self.plan = planner.choose(1)
+        self.plain_rounds = 0  # plain rounds so far
+        self.plain_streak = 0  # plain rounds in a row, the last one included
+        self.explore = 0  # plain rounds left to time
+
+    def after(self, v: Verdict, drafting_rounds: int, ms: float, typical: bool) -> Plan:
+        """The plan after a round of `self.plan` that gave `v` in `ms` milliseconds;
+        `drafting_rounds` so far in this generation; `typical`: the round did not also run the
+        head over the prompt."""
+        p, planner = self.plan, self.planner
+        self.plain_streak = self.plain_streak + 1 if not p.drafts else 0
+        if v.depths:
+            planner.record(len(v.depths), len(v.path))
+            if len(v.depths) == p.k and typical:  # a full round (not one cut at the end)
+                planner.observe(1, p, ms)
+            if repick_now(drafting_rounds):
+                p = planner.choose(1)
+                if p.drafts and not planner.explored and not planner.observed.seen(1, Plan()):
+                    # Plain rounds were never timed here: the calibration's few forwards can
+                    # misjudge them on a busy machine, and only a run puts them right.
+                    p, self.explore, planner.explored = Plan(), EXPLORE_PLAIN, True
+        elif not p.drafts:
+            # Plain rounds teach nothing about the head (the draft's backlog is kept, so it can
+            # resume): every PROBE_EVERY of them, rounds of K=1 measure its acceptance on this
+            # text again before the next choice.
+            self.plain_rounds += 1
+            if self.plain_streak > PLAIN_SETTLE:  # steady plain decoding, as plain would run
+                planner.observe(1, p, ms)
+            if self.explore:
+                self.explore -= 1
+                if not self.explore:
+                    p = planner.choose(1)
+            elif self.plain_rounds % PROBE_EVERY == 0:
+                p = Plan(1)
+        self.plan = p
+        return p
