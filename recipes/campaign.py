@@ -298,11 +298,13 @@ def curve(args) -> None:
                "tau": shipped["heldout_sharegpt_simulated_tau"],
                "tau_humaneval": shipped.get("heldout_humaneval_simulated_tau")}]
     main = start = shipped_passes  # the main run's passes so far; where its current run began
+    run = None  # (init, seed) of the current main run: a resumed entry continues it only if they match
     for e in entries:
         if e["stage"] not in ("train", "cooldown"):
             continue
-        if e["stage"] == "train" and not e.get("resumed"):  # a fresh run from the campaign head
-            start = main
+        key = (e.get("init"), e.get("seed"))
+        if e["stage"] == "train" and not (e.get("resumed") and key == run):  # a new run from the head
+            start, run = main, key
         # a resumed run's steps count from its start; a cool-down branches off the main run's head
         passes = (start if e["stage"] == "train" else main) + e["token_passes"]
         unique = sum(seen) + sum(resp[:min(e["prompts"], new_prompts)])

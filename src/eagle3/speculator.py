@@ -11,7 +11,6 @@ implementation, which `eagle3 export` also lowers.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,10 +185,6 @@ class Eagle3Speculator:
         plain = Eagle3Speculator(self.target, None, self.tokenizer)
         return plain.compile() if self.compiled else plain
 
-    @contextmanager
-    def _probe_rows(self, B: int, positions: Any):
-        yield [SequenceState("probe", [0], 1, frozenset())] if B == 1 else None
-
     def calibrate(self) -> RoundCosts:
         """Measure the cost model on this machine and runner (`eagle3.load` does, for a head:
         a few dozen forwards); automatic K needs it. Once per speculator, and again
@@ -200,7 +195,7 @@ class Eagle3Speculator:
             max_T = max(1, min(self.max_auto_k + 1, self.max_seq_len - 3))  # a tiny context: fewer
             context = max(1, min(CALIBRATION_CONTEXT, self.max_seq_len - max_T - 2))
             self.runner.warm(max_T - 1, context)  # compiled: no compiling inside a generation
-            self.planner.measure(self.runner, self._probe_rows, [1], max_T, context)
+            self.planner.measure(self.runner, [1], max_T, context)
         return self.costs
 
     @property

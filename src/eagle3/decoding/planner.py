@@ -38,10 +38,9 @@ class Planner:
         self.explored = False  # whether plain rounds were timed (`Generation`)
         self._held: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
 
-    def measure(self, runner: Any, rows: Any, batch_sizes: list[int], max_T: int,
-                context: int) -> RoundCosts:
-        """Time the runner's forwards (`RoundCosts.measure`) and keep them."""
-        self.costs = RoundCosts.measure(runner, rows, batch_sizes, max_T, context)
+    def measure(self, runner: Any, batch_sizes: list[int], max_T: int, context: int) -> RoundCosts:
+        """Time the runner's forwards on its probe rows (`RoundCosts.measure`) and keep them."""
+        self.costs = RoundCosts.measure(runner, runner.probe_rows, batch_sizes, max_T, context)
         return self.costs
 
     def forget_costs(self) -> None:

@@ -30,8 +30,6 @@ and parents in one `.tolist()`), more for sampled rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..cache import slots_upto
@@ -41,8 +39,7 @@ from .accept import accept
 from .layout import Layout, causal_layout
 from .profile import active
 from .runner import Runner
-from .sampling import Sampler
-from .types import Plan, Proposal, SpecStats, Verdict
+from .types import Plan, Proposal, SequenceState, Verdict
 
 
 def emit(out: list[int], tokens: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
@@ -52,37 +49,6 @@ def emit(out: list[int], tokens: list[int], stop_ids: frozenset[int], max_new_to
         if t in stop_ids or len(out) >= max_new_tokens:
             return True
     return False
-
-
-@dataclass(eq=False)
-class SequenceState:
-    """One sequence's decoding state: what the round reads and advances."""
-
-    id: str
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    sampler: Sampler | None = None
-    drafts: bool = True  # False: never drafts (plain decoding even with a head)
-    plan: Plan | None = None  # this sequence's own plan, whatever the batch's (sampled rows: a
-    # fixed one, so that a seed's draws never depend on the batch or on timings)
-    out: list[int] = field(default_factory=list)  # generated tokens; out[-1] is the anchor
-    target_len: int = 0  # positions with target K/V
-    draft_len: int = 0  # positions with draft K/V
-    pending_ids: list[int] = field(default_factory=list)  # tokens the draft has not seen
-    pending_feats: list[torch.Tensor] = field(default_factory=list)  # their features (n, H)
-    root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
-    boundary: torch.Tensor | None = None  # (H,) the feature that follows
-    done: bool = False
-    stats: SpecStats = field(default_factory=SpecStats)
-
-    @property
-    def anchor(self) -> int:
-        return self.out[-1]
-
-    def room(self) -> int:
-        """Tokens this sequence may still emit."""
-        return self.max_new_tokens - len(self.out)
 
 
 def grant(seq: SequenceState, plan: Plan, max_len: int) -> int:

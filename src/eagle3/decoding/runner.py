@@ -30,6 +30,8 @@ its `device`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +41,7 @@ from ..errors import Eagle3Error
 from .drafting import EagerDrafting, backlog, caught_up, chain_steps, draft_chain_proposal, draft_tree
 from .layout import Layout, causal_layout
 from .tree import TreeShape, chain_proposal
-from .types import Proposal
+from .types import Proposal, SequenceState
 
 # One compiled graph per (step, T, flags); dynamo's default limit (8) would make a
 # fullgraph compile raise in the middle of a generation.
@@ -71,6 +73,17 @@ class Runner(Protocol):
     def reserve(self, seq: Any, n_positions: int) -> None: ...
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def probe_rows(self, B: int, positions: int) -> AbstractContextManager[list[SequenceState] | None]:
+        """B stand-in sequences with room for `positions` positions, for timing the forwards
+        (`costs.RoundCosts.measure`); None when the runner has no room for them. Released on exit."""
+        ...
+
+
+@contextmanager
+def one_row(B: int, positions: int) -> Iterator[list[SequenceState] | None]:
+    """`probe_rows` for a runner of one preallocated sequence: a single row, B = 1 only."""
+    yield [SequenceState("probe", [0], 1, frozenset())] if B == 1 else None
 
 
 def region_mask(layout: Layout, T: int, device: torch.device) -> torch.Tensor:
@@ -283,6 +296,9 @@ class StaticRunner(EagerDrafting):
 
     def reserve(self, seq: Any, n_positions: int) -> None:
         pass  # preallocated
+
+    def probe_rows(self, B: int, positions: int) -> AbstractContextManager[list[SequenceState] | None]:
+        return one_row(B, positions)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_model.to_target_ids(draft_ids)

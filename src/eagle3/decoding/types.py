@@ -1,14 +1,18 @@
 """The plain data types at the seam between drafting and verification (vLLM's habit):
-a round's `Plan`, each row group's `Proposal`, each row's `Verdict`."""
+a round's `Plan`, each row group's `Proposal`, each row's `Verdict`; and what a sequence
+carries from round to round (`SequenceState`, its counters `SpecStats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .tree import TreeShape
+
+if TYPE_CHECKING:
+    from .sampling import Sampler
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,34 @@ class SpecStats:
         if self.num_draft_tokens is not None:
             out["num_draft_tokens"] = self.num_draft_tokens
         return out
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One sequence's decoding state: what the round reads and advances."""
+
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    sampler: Sampler | None = None
+    drafts: bool = True  # False: never drafts (plain decoding even with a head)
+    plan: Plan | None = None  # this sequence's own plan, whatever the batch's (sampled rows: a
+    # fixed one, so that a seed's draws never depend on the batch or on timings)
+    out: list[int] = field(default_factory=list)  # generated tokens; out[-1] is the anchor
+    target_len: int = 0  # positions with target K/V
+    draft_len: int = 0  # positions with draft K/V
+    pending_ids: list[int] = field(default_factory=list)  # tokens the draft has not seen
+    pending_feats: list[torch.Tensor] = field(default_factory=list)  # their features (n, H)
+    root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
+    boundary: torch.Tensor | None = None  # (H,) the feature that follows
+    done: bool = False
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def anchor(self) -> int:
+        return self.out[-1]
+
+    def room(self) -> int:
+        """Tokens this sequence may still emit."""
+        return self.max_new_tokens - len(self.out)

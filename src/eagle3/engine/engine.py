@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -140,23 +139,6 @@ class Engine:
         return (self.speculate and self.config.num_draft_tokens is None
                 and (self.tree is None or self.config.auto_plan))
 
-    @contextmanager
-    def _probe_rows(self, B: int, positions: int):
-        """B fake sequences with pages for `positions` positions (None when the pool is short)."""
-        pool = self.pool
-        if B * pool.pages_for(positions) > pool.num_pages - pool.reserved:
-            yield None
-            return
-        seqs = [SequenceState(f"probe-{b}", [0], 1, frozenset()) for b in range(B)]
-        try:
-            for s in seqs:
-                pool.admit(s.id, positions)
-                pool.grow(s.id, positions)
-            yield seqs
-        finally:
-            for s in seqs:
-                pool.release(s.id)
-
     @property
     def _extra(self) -> int:
         """Positions past a request's last token a round may write (drafts, tree scratch)."""
@@ -172,8 +154,7 @@ class Engine:
         if self.automatic and self.costs is None:
             max_T = max(self.kmax, self.tree.total_tokens if self.tree is not None else 0) + 1
             context = max(1, min(128, self.max_model_len // 2) - max_T - 2)
-            self.planner.measure(self.runner, self._probe_rows,
-                                 probe_batch_sizes(self.config.max_batch), max_T, context)
+            self.planner.measure(self.runner, probe_batch_sizes(self.config.max_batch), max_T, context)
             if not self.costs.verify:
                 raise Eagle3Error("the KV pool is too small to measure even one request's costs; "
                                   "raise max_kv_tokens or pass a fixed num_draft_tokens")

@@ -23,6 +23,8 @@ returns them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from ..cache import masked_attention, slots_upto
 from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
 from ..decoding.runner import region_mask
+from ..decoding.types import SequenceState
 from ..errors import Eagle3Error
 
 
@@ -258,6 +261,23 @@ class PagedRunner(EagerDrafting):
         slots = self.pool.slots[seq.id]
         self.tkv.move(slots[torch.tensor(src)].to(self.device),
                       slots[dst:dst + len(src)].to(self.device))
+
+    @contextmanager
+    def probe_rows(self, B: int, positions: int) -> Iterator[list[SequenceState] | None]:
+        """B stand-in sequences with pages for `positions` positions (None when the pool is short)."""
+        pool = self.pool
+        if B * pool.pages_for(positions) > pool.num_pages - pool.reserved:
+            yield None
+            return
+        seqs = [SequenceState(f"probe-{b}", [0], 1, frozenset()) for b in range(B)]
+        try:
+            for s in seqs:
+                pool.admit(s.id, positions)
+                pool.grow(s.id, positions)
+            yield seqs
+        finally:
+            for s in seqs:
+                pool.release(s.id)
 
     def reserve(self, seq: Any, n_positions: int) -> None:
         self.pool.grow(seq.id, n_positions)

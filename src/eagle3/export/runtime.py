@@ -27,6 +27,7 @@ import torch
 from ..cache import SlotBook
 from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
+from ..decoding.runner import one_row
 from ..errors import Eagle3Error, notice
 from ..speculator import Eagle3Speculator, GenerationResult
 from .program import CONTRACT_METHODS, EXTRA_METHODS, FORMAT_VERSION, META_FILE, PROGRAM_FILE
@@ -175,6 +176,9 @@ class ProgramRunner(EagerDrafting):
 
     def compact(self, seq: Any, src: list[int], dst: int) -> None:
         raise Eagle3Error("an exported program verifies chains only")
+
+    def probe_rows(self, B: int, positions: int):
+        return one_row(B, positions)
 
     def reserve(self, seq: Any, n_positions: int) -> None:
         pass
