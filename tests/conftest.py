@@ -55,6 +55,18 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def head_alone_by_default(request, monkeypatch):
+    """The suite's head tests count the head's own drafts and acceptance (forced acceptance,
+    engine == generate counters, automatic K): in this process the default proposer is the head
+    alone. tests/test_suffix.py, which tests 'suffix', 'hybrid' and the real default, opts out
+    (`USES_DEFAULT_PROPOSER = True`); CLI subprocesses run the real default."""
+    if not getattr(request.module, "USES_DEFAULT_PROPOSER", False):
+        from eagle3.decoding import suffix
+
+        monkeypatch.setattr(suffix, "DEFAULT_PROPOSER", "eagle")
+
+
 def make_hf_model(name: str, seed: int = 0, scale: float = 4.0, **overrides):
     """A seeded random transformers causal LM for variant `name` (weights scaled up)."""
     cls_name, extra = VARIANTS[name]

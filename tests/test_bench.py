@@ -88,8 +88,8 @@ def test_rows_take_the_median_over_repetitions():
 def test_outputs_identical_catches_an_injected_mismatch(spec, monkeypatch):
     real = harness.generate_arm
 
-    def corrupting(s, n, k=None):  # the K=2 arm corrupts its second timed run (warm-up = call 0)
-        run, calls = real(s, n, k), []
+    def corrupting(s, n, k=None, **kw):  # the K=2 arm corrupts its second timed run (warm-up = call 0)
+        run, calls = real(s, n, k, **kw), []
 
         def arm(ids):
             out = run(ids)
@@ -183,7 +183,8 @@ def test_host_sync_counter_counts_the_runners_conversions(spec, monkeypatch):
     r = spec.generate(PROMPTS[0], N, num_draft_tokens=3)
     assert set(r.stats) == {"rounds", "draft_tokens", "accepted_tokens", "accepted_per_position",
                             "drafted_per_position", "mean_accept_len", "accept_len_hist",
-                            "target_forwards", "seconds", "num_draft_tokens"}
+                            "target_forwards", "seconds", "num_draft_tokens", "suffix_rounds",
+                            "suffix_draft_tokens", "suffix_accepted_tokens"}
 
 
 # -- the command line ------------------------------------------------------------------------------

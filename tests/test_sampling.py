@@ -20,7 +20,7 @@ from eagle3.draft import attach_head
 from eagle3.errors import Eagle3Error
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from heads import random_head
+from heads import greedy_runs, random_head
 
 
 def chi_square_p(counts: dict, probs: dict, n: int) -> float:
@@ -226,7 +226,10 @@ def draw(spec, prompt, params, mode: dict, n: int = DRAWS) -> tuple[list[tuple],
 TREE = dict(tree=dict(top_k=3, depth=3, total_tokens=8))
 MODES = {"plain": dict(), "K=1": dict(num_draft_tokens=1), "K=2": dict(num_draft_tokens=2),
          "K=4": dict(num_draft_tokens=4), "tree": TREE,
-         "K=2_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE}
+         "K=2_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE,
+         # with drafts from the text (`decoding.suffix`): point masses, by recursive rejection
+         "hybrid_K=2": dict(num_draft_tokens=2, proposer="hybrid"),
+         "hybrid_tree": dict(**TREE, proposer="hybrid")}
 PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=5)]
 # Every mode at temperature 1; the warped distribution on a chain and a tree (suite time).
 CASES = [(m, PARAMS[0]) for m in MODES] + [("K=2", PARAMS[1]), ("tree", PARAMS[1])]
@@ -252,6 +255,72 @@ def test_speculative_sampling_matches_the_exact_distribution(tiny, exact, mode, 
         assert p > 1e-3, (mode, span, p)
     if mode != "plain":  # hundreds of accepted drafts: the rules ran, over several rounds
         assert accepted > DRAWS // 10, accepted
+
+
+SUFFIX_MODES = {"suffix": dict(proposer="suffix"), "hybrid_K=2": dict(num_draft_tokens=2, proposer="hybrid"),
+                "hybrid_tree": dict(**TREE, proposer="hybrid")}
+
+
+SUFFIX_PARAMS = SamplingParams(0.5)
+
+
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory):
+    """A sharper tiny target (weights x4), a random head for it, a prompt whose text the suffix
+    proposer matches and continues with tokens the target likes (its own greedy run of 40
+    tokens after [3, 7, 1], which settles into a repetition), and the exact pair distributions
+    after that prompt at temperature 0.5."""
+    d = str(tmp_path_factory.mktemp("sharp") / "llama")
+    make_hf_model("llama", seed=5, scale=4.0, vocab_size=VOCAB).save_pretrained(d)
+    t = load_target(d)
+    head = random_head(t, taps=(1, 3, 5), scale=0.5, seed=2)
+    attach_head(head, t)
+    (prompt,) = greedy_runs(t, [[3, 7, 1]], 40)
+    return t, head, prompt, exact_pairs(t, prompt, SUFFIX_PARAMS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(SUFFIX_MODES))
+def test_suffix_sampling_matches_the_exact_distribution(repeating, mode):
+    """Drafts from the text are point masses, accepted by recursive rejection: the same
+    chi-square checks, on a prompt whose text they match, with hundreds of their tokens
+    accepted (so the rule ran)."""
+    target, head, prompt, exact = repeating
+    spec = Eagle3Speculator(target, head)
+    p = SUFFIX_PARAMS
+    outputs, from_text = [], 0
+    for seed in range(DRAWS):
+        r = spec.generate(prompt, N_NEW, temperature=p.temperature, seed=seed, stop_token_ids=[],
+                          **SUFFIX_MODES[mode])
+        outputs.append(tuple(r.token_ids))
+        from_text += r.stats["suffix_accepted_tokens"]
+    assert len(set(outputs)) > 20  # a distribution, not one greedy answer
+    for span, pv in pair_p_values(outputs, exact).items():
+        assert pv > 1e-3, (mode, span, pv)
+    assert from_text > DRAWS // 5, from_text
+
+
+@pytest.mark.slow
+def test_a_broken_text_rule_fails_the_same_check(repeating, monkeypatch):
+    """The negative control for drafts from the text: recursive rejection that always keeps a
+    node's first child (the text's token) must fail the check above (p < 1e-6 on some span)."""
+    from eagle3.decoding import accept
+
+    def keep_first_child(sampler, probs, tokens, parents):
+        path, node = [], 0
+        while True:
+            kids = [j for j, par in enumerate(parents, start=1) if par == node]
+            if not kids:
+                return path, int(sampler.sample(probs[node]))
+            path.append(kids[0])
+            node = kids[0]
+
+    monkeypatch.setattr(accept, "tree_accept", keep_first_child)
+    target, _, prompt, exact = repeating
+    spec = Eagle3Speculator(target)
+    outputs = [tuple(spec.generate(prompt, N_NEW, temperature=SUFFIX_PARAMS.temperature, seed=seed,
+                                   stop_token_ids=[], proposer="suffix").token_ids) for seed in range(DRAWS)]
+    assert min(pair_p_values(outputs, exact).values()) < 1e-6
 
 
 def _keep_the_rejected_draft(sampler, p, drafts, q=None):

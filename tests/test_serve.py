@@ -277,6 +277,8 @@ def test_models_health_metrics(server):
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total", "generation_tokens_total"):
         assert values[f"eagle3:{name}[]"] > 0, name
+    for name in ("suffix_draft_tokens_total", "suffix_accepted_tokens_total"):  # present (0 here)
+        assert f"eagle3:{name}[]" in values, name
     assert values["eagle3:spec_decode_num_accepted_tokens_per_pos_total[('position', '0')]"] > 0
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"eagle3:{name}[]" in values
@@ -505,3 +507,20 @@ def test_every_sampling_parameter_reaches_the_server(server, spec):
                              seed=kw["seed"]).token_ids
         assert out == want, kw
     assert all(out != outs[0] for out in outs[1:]), "a sampling parameter changed nothing"
+
+
+def test_proposer_field(server, spec, want):
+    """A request's own proposer: drafts from the text alone or with the head, the same greedy
+    tokens; an unknown proposer is a 400 that names the field."""
+    ok = {"model": NAME, "max_tokens": N, "temperature": 0}
+    for proposer in ("suffix", "hybrid", "eagle"):
+        for p in PROMPTS[:3]:
+            r = server.post("/v1/completions", {**ok, "prompt": p, "proposer": proposer})
+            assert r.status_code == 200, r.text
+            extra = r.json()["eagle3"]
+            assert extra["token_ids"] == want[p], (proposer, p)
+            if proposer == "eagle":
+                assert extra["suffix_draft_tokens"] == 0
+    e = _error(server.post("/v1/completions", {**ok, "prompt": "x", "proposer": "ngram"}), 400)
+    assert e["param"] == "proposer" and "eagle, suffix, hybrid" in e["message"]
+    assert kv_idle(server.engine)

@@ -11,7 +11,7 @@ implementation, which `eagle3 export` also lowers.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
 from .decoding.round import SequenceState, prefill, run_round
 from .decoding.runner import StaticRunner
 from .decoding.sampling import Sampler
+from .decoding.suffix import resolve_proposer, suffix_proposer
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
 from .decoding.types import Plan, SpecStats
 from .errors import Eagle3Error, notice
@@ -215,6 +216,9 @@ class Eagle3Speculator:
             raise Eagle3Error("tree drafting and speculative sampling need a native target (the "
                               "transformers adapter takes no tree mask); load with backend='native' "
                               "or use greedy chain drafting")
+        proposer = resolve_proposer(req.proposer, speculative, getattr(self.runner, "supports_trees", False),
+                                    req.sampling.greedy)
+        req = replace(req, proposer=proposer)
         if speculative and req.tree is not None and req.tree.top_k > self.draft.config.draft_vocab_size:
             raise Eagle3Error(f"tree top_k {req.tree.top_k} exceeds the head's draft vocabulary "
                               f"({self.draft.config.draft_vocab_size} tokens); lower top_k")
@@ -223,7 +227,7 @@ class Eagle3Speculator:
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft_tokens: int | None = None, tree: Any = None,
-                 stop_token_ids: Any = None) -> GenerationResult:
+                 stop_token_ids: Any = None, proposer: str | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens after `prompt_ids`.
 
         Greedy (temperature 0): token-identical to plain decoding with the target
@@ -239,16 +243,20 @@ class Eagle3Speculator:
         runs) and the acceptance seen so far, again after 2, 4 and every 8 drafting rounds
         (plain rounds re-probe the head with K=1 every PROBE_EVERY rounds); when sampling, 'auto'
         is K = SAMPLING_K (4), so that a seed's output does not depend on timings.
+        `proposer`: who drafts (`decoding.suffix`): 'eagle' (the head), 'suffix' (continuations
+        of earlier matches in the prompt and output: no head needed), 'hybrid' (both, merged
+        in one verified tree); None: 'hybrid' for greedy requests with a head on a native runner,
+        'eagle' when sampling or on the transformers adapter, plain decoding without a head.
         """
         req = self.check(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, seed=seed, num_draft_tokens=num_draft_tokens, tree=tree,
-                         stop_token_ids=stop_token_ids)
+                         stop_token_ids=stop_token_ids, proposer=proposer)
         return self.run(req)
 
     def _first_plan(self, req: GenerationRequest) -> tuple[Plan, Generation | None]:
         """The plan for the first round, and the planner's `Generation` when it is automatic
         (re-chosen as we go; plain decoding is a candidate, the head re-probed now and then)."""
-        if self.draft is None:
+        if self.draft is None or req.proposer == "suffix":
             return Plan(), None
         if req.tree is not None:
             return Plan(tree=req.tree), None
@@ -257,7 +265,7 @@ class Eagle3Speculator:
         if req.num_draft_tokens is not None:
             return Plan(req.num_draft_tokens), None
         self.calibrate()
-        auto = self.planner.generation()
+        auto = self.planner.generation(text=req.proposer == "hybrid")
         return auto.plan, auto
 
     @torch.no_grad()
@@ -265,10 +273,11 @@ class Eagle3Speculator:
         """Decode a checked request (`check`) on this speculator's runner."""
         plan, auto = self._first_plan(req)
         sampler = None if req.sampling.greedy else Sampler(req.sampling, self.target_device)
+        head = self.draft is not None and req.proposer != "suffix"
         seq = SequenceState("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
-                            drafts=self.draft is not None)
+                            drafts=head, suffix=suffix_proposer(req.proposer, req.prompt))
         stats = seq.stats
-        if self.draft is not None:
+        if head:
             stats.size(plan.tree.depth if plan.tree is not None else
                        (self.max_auto_k if auto is not None else plan.k))
             if plan.tree is not None:
@@ -276,11 +285,15 @@ class Eagle3Speculator:
             else:
                 stats.num_draft_tokens = plan.k
         runner = self.runner
+        if seq.suffix is not None:  # its nodes are chosen by the cost model, measured before the clock
+            self.calibrate()
         t0 = time.perf_counter()
         prefill(runner, seq)
         while not seq.done:
             t_round = time.perf_counter()
             typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
+            if seq.suffix is not None and sampler is None:  # sampled: the fixed rule (as the engine)
+                seq.suffix.budget = self.planner.suffix_budget(1, plan, seq.suffix.nodes)
             (v,) = run_round(runner, [seq], plan)
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
@@ -288,7 +301,7 @@ class Eagle3Speculator:
                 plan = auto.after(v, stats.rounds, (time.perf_counter() - t_round) * 1e3, typical)
                 stats.num_draft_tokens = plan.k
         stats.seconds = time.perf_counter() - t0
-        if self.draft is not None:
+        if head:
             self._check_acceptance(stats)
         return GenerationResult(seq.out, stats.as_dict())
 

@@ -20,7 +20,8 @@ ENGINE_PEERS = ("llama.cpp", "vllm")  # other engines, run as separate programs
 
 def run_ab(args: argparse.Namespace, backend_names: list[tuple[str, str]], formats: list[str | None],
            records: list[tuple[str, dict]], ks: list[int], auto: bool, trees: list,
-           peer_names: list[str], notes: list[str]) -> tuple[dict[str, Any], Any, list[list[int]]]:
+           peer_names: list[str], notes: list[str],
+           proposers: list[str | None] = (None,)) -> tuple[dict[str, Any], Any, list[list[int]]]:
     """Run the benchmark `args` describes (checked by the CLI); returns the report, the first
     speculator and the encoded prompts. `notes` gathers what was skipped and why."""
     import eagle3
@@ -73,7 +74,7 @@ def run_ab(args: argparse.Namespace, backend_names: list[tuple[str, str]], forma
         report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, peers=arms, auto=auto, trees=trees,
                            temperature=args.temperature, progress=sys.stderr.isatty(),
-                           backends=backends)
+                           backends=backends, proposers=proposers)
     finally:
         vllm.close(workers)
     report["settings"].update(target=args.target, draft=args.draft, backend=args.backend,

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -39,16 +40,18 @@ Arm = Callable[[list[int]], Sample]
 
 
 def generate_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tree: Any = None,
-                 temperature: float = 0.0) -> Arm:
+                 temperature: float = 0.0, proposer: str | None = None) -> Arm:
     """An arm of eagle3's own: `spec.generate` (chain drafts of K = k, a `tree` shape, or plain
-    when `spec` has no head), profiled. Sampled arms (temperature > 0) seed call n with n."""
+    when `spec` has no head; drafts by `proposer`, None: the default), profiled. Sampled arms
+    (temperature > 0) seed call n with n."""
     calls = iter(range(1 << 62))
 
     def run(ids: list[int]) -> Sample:
         with profiling() as prof:
             t0 = time.perf_counter()
             r = spec.generate(ids, max_new_tokens, num_draft_tokens=k, tree=tree,
-                              temperature=temperature, seed=next(calls) if temperature else None)
+                              temperature=temperature, seed=next(calls) if temperature else None,
+                              **({"proposer": proposer} if proposer else {}))
             seconds = time.perf_counter() - t0
         return Sample(r.token_ids, seconds, r.stats, prof)
     return run
@@ -121,8 +124,10 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
              [s.stats for reps in samples for s in reps])
     total = lambda key: sum(s[key] for s in first)  # noqa: E731
     rounds, drafted, accepted = total("rounds"), total("draft_tokens"), total("accepted_tokens")
-    per_pos = [sum(c) for c in zip(*(s["accepted_per_position"] for s in first))]
-    drafted_pos = [sum(c) for c in zip(*(s.get("drafted_per_position", []) for s in first))]
+    # Summed position by position; runs differ in length (a deeper round in one prompt only).
+    per_pos = [sum(c) for c in zip_longest(*(s["accepted_per_position"] for s in first), fillvalue=0)]
+    drafted_pos = [sum(c) for c in zip_longest(*(s.get("drafted_per_position", []) for s in first),
+                                               fillvalue=0)]
     row.update(
         rounds=rounds, draft_tokens=drafted, accepted_tokens=accepted,
         target_forwards=total("target_forwards"),
@@ -130,7 +135,16 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
         acceptance_rate=accepted / drafted if drafted else None,
         accepted_per_position=per_pos, drafted_per_position=drafted_pos,
         accept_rate_per_position=[a / d if d else None for a, d in zip(per_pos, drafted_pos)],
-        accept_len_hist=[sum(c) for c in zip(*(s["accept_len_hist"] for s in first))])
+        accept_len_hist=[sum(c) for c in zip_longest(*(s["accept_len_hist"] for s in first), fillvalue=0)])
+    # Tokens per target forward (prefill included): tau counts drafting rounds only, and rows
+    # whose drafts come and go (the text's) draft in some rounds only.
+    row["tokens_per_target_forward"] = (sum(len(reps[0].token_ids) for reps in samples)
+                                        / max(1, sum(reps[0].stats["target_forwards"] for reps in samples)))
+    # Per source (`decoding.suffix`): tokens only the text proposed, and the head's own.
+    suffix_accepted = sum(s.get("suffix_accepted_tokens", 0) for s in first)
+    row.update(suffix_rounds=sum(s.get("suffix_rounds", 0) for s in first),
+               suffix_draft_tokens=sum(s.get("suffix_draft_tokens", 0) for s in first),
+               suffix_accepted_tokens=suffix_accepted, head_accepted_tokens=accepted - suffix_accepted)
     # Per round (= per target forward after the prefill): medians over repetitions.
     steps = _per_rep(samples, lambda s: s.stats["target_forwards"] - 1)
 
@@ -157,7 +171,8 @@ def cost_model(spec: Any) -> Any:
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
               repeats: int, peers: dict[str, Arm] | None = None, auto: bool = False,
               trees: list[Any] = (), temperature: float = 0.0, progress: bool = False,
-              backends: dict[str, Any] | None = None) -> dict[str, Any]:
+              backends: dict[str, Any] | None = None,
+              proposers: list[str | None] = (None,)) -> dict[str, Any]:
     """Plain decoding vs EAGLE-3 chain for each K and each tree shape (and `peers`),
     interleaved; returns the report.
 
@@ -176,29 +191,41 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     The report's top-level contract keys describe the fastest fixed-K row of any backend
     (`best_k`, `best_backend`) against the first backend's plain decoding;
     `outputs_identical` there is True only if every row of ours matched plain.
+
+    `proposers` (`decoding.suffix`): the chain and tree rows once per proposer ('eagle',
+    'hybrid'; None: the default, unnamed rows), 'suffix' one row of its own (no head, k None);
+    each row says its `proposer` and its accepted tokens per source.
     """
     backends = dict(backends or {"eager": spec})
     names = list(backends)
     multi = len(names) > 1
     label = lambda b, arm: f"{b} {arm}" if multi else arm  # noqa: E731
     arms: dict[str, Arm] = {}
-    plan = []  # (backend, arm name, k, tree) of the greedy rows
+    plan = []  # (backend, arm name, k, tree, proposer) of the greedy rows
     sampled = []  # (backend, arm name, k, tree) of the sampled arms
     chosen = [k for k in ks] + (["auto"] if auto else [])
     for b, bspec in backends.items():
         plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
         arms[label(b, PLAIN)] = generate_arm(plain_spec, max_new_tokens)
-        plan.append((b, label(b, PLAIN), None, None))
+        plan.append((b, label(b, PLAIN), None, None, None))
         exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
-        if bspec.draft is not None:
+        for pr in proposers if not exported else (None,):
+            prefix = "" if pr is None else f"{pr} "
+            named = lambda arm, prefix=prefix: prefix + arm  # noqa: E731
+            if pr == "suffix":
+                arms[label(b, "suffix")] = generate_arm(bspec, max_new_tokens, proposer="suffix")
+                plan.append((b, label(b, "suffix"), None, None, pr))
+                continue
+            if bspec.draft is None:
+                continue
             for k in chosen:
                 if exported and isinstance(k, int) and k > bspec.max_draft_tokens:
                     continue
-                arms[label(b, f"K={k}")] = generate_arm(bspec, max_new_tokens, k)
-                plan.append((b, label(b, f"K={k}"), k, None))
+                arms[label(b, named(f"K={k}"))] = generate_arm(bspec, max_new_tokens, k, proposer=pr)
+                plan.append((b, label(b, named(f"K={k}")), k, None, pr))
             for t in trees if not exported else ():
-                arms[label(b, tree_name(t))] = generate_arm(bspec, max_new_tokens, tree=t)
-                plan.append((b, label(b, tree_name(t)), None, t))
+                arms[label(b, named(tree_name(t)))] = generate_arm(bspec, max_new_tokens, tree=t, proposer=pr)
+                plan.append((b, label(b, named(tree_name(t))), None, t, pr))
         if temperature > 0 and not exported:
             name = label(b, f"sampled plain T={temperature:g}")
             sampled.append((b, name, None, None))
@@ -214,8 +241,10 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     samples = interleave(arms, prompts, repeats, progress=progress)
     plain = samples[label(names[0], PLAIN)]
     rows = []
-    for b, name, k, t in plan:
+    for b, name, k, t, pr in plan:
         row = {"arm": "plain" if name.endswith(PLAIN) and k is None and t is None else "eagle3", "k": k}
+        if pr is not None:
+            row["proposer"] = pr
         if t is not None:
             row["tree"] = t.as_dict()
         if multi:

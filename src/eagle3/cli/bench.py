@@ -59,6 +59,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tree shapes to measure, each 'default' or TOPKxDEPTHxNODES (e.g. 4x8x48), "
                         "or none (default: the default tree); with --concurrency, one shape the "
                         "engine's cost model may pick besides plain and chains")
+    b.add_argument("--proposer", default=None, metavar="eagle,hybrid,suffix",
+                   help="who drafts, one set of rows each (docs/suffix.md): eagle (the head), hybrid "
+                        "(head + continuations of earlier matches in the text, one tree), suffix (the "
+                        "text alone, one row, no head needed); default: the default proposer's rows "
+                        "(hybrid with a head); with --concurrency, one proposer for the engine")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="also measure sampling at this temperature: sampled plain, chain K=auto and "
                         "each tree, speedups against sampled plain (default 0: greedy rows only)")
@@ -204,6 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     notes: list[str] = []
     ks, auto = parse_ks(args.num_draft_tokens)
     trees = parse_trees(args.tree)
+    proposers = parse_proposers(args.proposer)
     from ..decoding.sampling import check_sampling
 
     check_sampling(args.temperature, 1.0, 0, None)
@@ -225,14 +231,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records = (read_prompt_records(args.prompts, args.limit) if args.prompts is not None
                else default_prompt_records(args.target, args.limit))
     if args.concurrency is not None:
-        return _cmd_concurrency(args, records, ks, auto)
+        return _cmd_concurrency(args, records, ks, auto, proposers)
 
     from ..bench.ab import run_ab
     from ..bench.report import markdown
 
     formats = parse_formats(args.quantize)
     report, spec, prompts = run_ab(args, parse_backends(args), formats, records, ks, auto, trees,
-                                   peer_names, notes)
+                                   peer_names, notes, proposers)
     print(markdown(report))
     if args.memory:
         from ..bench.memory import markdown_memory, memory_rows
@@ -249,6 +255,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_proposers(text: str | None) -> list[str | None]:
+    """--proposer's list (None: the default proposer's rows)."""
+    from ..decoding.suffix import PROPOSERS
+
+    if text is None:
+        return [None]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in PROPOSERS]
+    if bad or not names:
+        raise Eagle3Error(f"--proposer takes a comma-separated list of {', '.join(PROPOSERS)}, got '{text}'")
+    return list(dict.fromkeys(names))
+
+
 def parse_concurrency(text: str) -> list[int]:
     try:
         cs = sorted({int(t) for t in text.split(",") if t.strip()})
@@ -260,7 +279,8 @@ def parse_concurrency(text: str) -> list[int]:
     return cs
 
 
-def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], auto: bool) -> int:
+def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], auto: bool,
+                     proposers: list[str | None]) -> int:
     """`eagle3 bench --concurrency ...`: the serving benchmark (bench/serving.py)."""
     import torch
 
@@ -285,9 +305,12 @@ def _cmd_concurrency(args: argparse.Namespace, records: list, ks: list[int], aut
     if len(trees) > 1:
         raise Eagle3Error("--concurrency offers the engine one tree shape: give --tree one shape (or none)")
     prompts = encode_prompts(records, spec, args.max_new_tokens)
+    if len(proposers) > 1:
+        raise Eagle3Error("--concurrency runs the engine with one proposer: give --proposer one name")
     report = run_concurrency_bench(spec, prompts, concurrencies, max_new_tokens=args.max_new_tokens,
                                    repeats=args.repeats, num_draft_tokens=k,
-                                   tree=trees[0] if trees else None, progress=sys.stderr.isatty())
+                                   tree=trees[0] if trees else None, progress=sys.stderr.isatty(),
+                                   proposer=proposers[0])
     report["settings"].update(target=args.target, draft=args.draft, threads=torch.get_num_threads())
     print(markdown_concurrency(report))
     if args.json:

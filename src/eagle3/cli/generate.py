@@ -7,7 +7,15 @@ import json
 import sys
 
 from ..errors import Eagle3Error
-from .args import DRAFT_HELP, add_target_args, add_tree_args, decoding_kwargs, int_list, num_draft_tokens
+from .args import (
+    DRAFT_HELP,
+    add_proposer_arg,
+    add_target_args,
+    add_tree_args,
+    decoding_kwargs,
+    int_list,
+    num_draft_tokens,
+)
 
 DEFAULT_PROMPT = "def parse_args(argv):"
 
@@ -58,6 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif stats.get("num_draft_tokens") is not None:
             line += f", K {stats['num_draft_tokens']}" + (" (auto)" if args.num_draft_tokens in
                                                          (None, "auto") else "")
+        if stats.get("suffix_rounds"):
+            line += (f", {stats['suffix_accepted_tokens']} of {stats['accepted_tokens']} accepted "
+                     "tokens from the text (suffix)")
         if args.compare:
             line += (f"; plain decoding {stats['plain_tokens_per_s']:.1f} tok/s -> speedup "
                      f"{stats['speedup']:.2f}x")
@@ -74,7 +85,7 @@ def _compare_plain(spec, ids, args, result, stats: dict) -> None:
 
     plain = spec.plain()  # like for like: the same backend
     kw = decoding_kwargs(args)
-    plain_kw = {k: v for k, v in kw.items() if k not in ("num_draft_tokens", "tree")}
+    plain_kw = {k: v for k, v in kw.items() if k not in ("num_draft_tokens", "tree", "proposer")}
     spec_times, plain_times, same = [], [], True
     for _ in range(3):  # the first timed call above was cold; these are warm
         p = plain.generate(ids, args.max_new_tokens, **plain_kw)
@@ -116,6 +127,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "compiling takes a minute or more the first time, then is cached on disk)")
     add_tree_args(g, "dynamic tree drafting (EAGLE-2/3): expand the top-k children of the best "
                       "nodes level by level, verify the best nodes in one target forward")
+    add_proposer_arg(g)
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, lossless in distribution")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")

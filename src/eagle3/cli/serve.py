@@ -8,7 +8,14 @@ import os
 import sys
 
 from ..errors import Eagle3Error
-from .args import DRAFT_HELP, add_target_args, add_tree_args, decoding_kwargs, num_draft_tokens
+from .args import (
+    DRAFT_HELP,
+    add_proposer_arg,
+    add_target_args,
+    add_tree_args,
+    decoding_kwargs,
+    num_draft_tokens,
+)
 
 API_KEY_ENV = "EAGLE3_API_KEY"
 
@@ -79,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(spec, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                        max_kv_tokens=args.max_kv_tokens, speculate=not args.no_speculate,
                                        num_draft_tokens=k, request_timeout_s=args.request_timeout,
-                                       tree=tree))
+                                       tree=tree, proposer=args.proposer))
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
@@ -139,6 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "model measured at start-up and the acceptance seen so far")
     add_tree_args(s, "offer tree drafting too: per batch size the cost model picks plain decoding, "
                       "a chain of K or the tree, by measured costs and acceptance")
+    add_proposer_arg(s)
     s.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request after S seconds (answered 504); default: no limit")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",

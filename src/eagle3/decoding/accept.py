@@ -59,6 +59,9 @@ def accept(seqs: list[Any], logits: torch.Tensor, tokens: torch.Tensor,
         n = len(node_parents)
         node_toks = toks[b][1:n + 1]
         v = Verdict(seq, depths=depths)
+        if p is not None:  # how many nodes the head drafted, and the text's chain (`decoding.suffix`)
+            v.head_nodes = p.head_counts[g] if p.head_counts is not None else n
+            v.suffix = p.suffix[g] if p.suffix is not None else None
         if p is not None and g in p.errors:  # its drafting already failed
             v.error = p.errors[g]
             out.append(v)

@@ -53,6 +53,9 @@ class Acceptance:
         self.reached = [0] * max_k  # rounds that drafted position i after accepting 0..i-1
         self.accepted = [0] * max_k  # ... and accepted it too
         self.tree_rounds, self.tree_tokens = 0, 0
+        # Tokens drafts from the text (`decoding.suffix`) added beyond the head's, per round of
+        # rows that have them: [plain rounds, rounds the head drafted].
+        self.text_rounds, self.text_added = [0, 0], [0, 0]
 
     def record(self, k: int, accepted: int, tree: bool = False) -> None:
         """One round: k drafts (a chain) or a tree, the first `accepted` of them accepted."""
@@ -64,6 +67,18 @@ class Acceptance:
             self.reached[i] += 1
             if i < accepted:
                 self.accepted[i] += 1
+
+    def record_text(self, head: bool, added: int) -> None:
+        """One round of a row with a suffix proposer: `added` accepted tokens only the text
+        proposed; `head`: whether the head drafted too."""
+        self.text_rounds[head] += 1
+        self.text_added[head] += added
+
+    def text_gain(self, head: bool) -> float:
+        """Mean tokens per round the text adds (0 before any such round): in plain rounds, or in
+        rounds the head drafted (beyond the head's own)."""
+        n = self.text_rounds[head]
+        return self.text_added[head] / n if n else 0.0
 
     def rates(self) -> list[float]:
         """q_i: P(position i accepted | positions before it accepted), shrunk (module docstring)."""
@@ -166,6 +181,22 @@ class RoundCosts:
         w = (B - lo) / (hi - lo)
         return (1 - w) * get(lo) + w * get(hi)
 
+    def verify_ms(self, B: int, T: int) -> float:
+        """A verify over T tokens per row at batch size B, the line extended past max_T."""
+        last = self._at(self.verify, B, self.max_T)
+        if T <= self.max_T:
+            return self._at(self.verify, B, T)
+        slope = last - self._at(self.verify, B, self.max_T - 1) if self.max_T > 1 else 0.0
+        return last + slope * (T - self.max_T)
+
+    def suffix_extra_ms(self, B: int, plan: Plan, nodes: int) -> tuple[float, ...]:
+        """The extra milliseconds of 0..nodes more verify tokens per row in a round of `plan` at
+        batch size B (the batch's verify widens for every row; after a plain round's step, the
+        first node costs the switch to a verify)."""
+        T0 = verify_len(plan) if plan.drafts else 1
+        base = self.verify_ms(B, T0) if plan.drafts else self._at(self.plain, B)
+        return (0.0, *(max(0.0, self.verify_ms(B, T0 + d) - base) for d in range(1, nodes + 1)))
+
     def round_ms(self, B: int, plan: Plan) -> float:
         """Predicted milliseconds of one round of `plan` at batch size B."""
         if plan.tree is not None:
@@ -208,27 +239,30 @@ class Observed:
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
-        self.ratio: dict[tuple[int, Plan], float] = {}
+        # (batch size, plan, text) -> ratio; text: rounds whose rows also draft from the text
+        # (`decoding.suffix`), which verify more than the plan's own nodes
+        self.ratio: dict[tuple[int, Plan, bool], float] = {}
 
-    def record(self, B: int, plan: Plan, actual_ms: float, predicted_ms: float) -> None:
-        key, r = (B, plan), actual_ms / max(predicted_ms, 1e-6)
+    def record(self, B: int, plan: Plan, actual_ms: float, predicted_ms: float,
+               text: bool = False) -> None:
+        key, r = (B, plan, text), actual_ms / max(predicted_ms, 1e-6)
         old = self.ratio.get(key)
         self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
 
-    def seen(self, B: int, plan: Plan) -> bool:
+    def seen(self, B: int, plan: Plan, text: bool = False) -> bool:
         """Whether rounds of `plan` at batch size B were measured."""
-        return (B, plan) in self.ratio
+        return (B, plan, text) in self.ratio
 
-    def scale(self, B: int, plan: Plan) -> float:
+    def scale(self, B: int, plan: Plan, text: bool = False) -> float:
         """The correction for this plan at this batch size. A drafting plan that has not run yet
         borrows the correction of the drafting plan run at this size whose verify is nearest in
         length (else 1): an untried plan would otherwise look cheaper than every tried one, by
         the host work only a run shows, and be tried round after round."""
-        own = self.ratio.get((B, plan))
+        own = self.ratio.get((B, plan, text))
         if own is not None or not plan.drafts:
             return 1.0 if own is None else own
-        tried = [(abs(verify_len(p) - verify_len(plan)), r) for (b, p), r in self.ratio.items()
-                 if b == B and p.drafts]
+        tried = [(abs(verify_len(p) - verify_len(plan)), r) for (b, p, t), r in self.ratio.items()
+                 if b == B and p.drafts and t == text]
         return min(tried, key=lambda t: t[0])[1] if tried else 1.0
 
 
@@ -239,7 +273,7 @@ def verify_len(plan: Plan) -> int:
 
 def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
                 tree: TreeShape | None = None, min_k: int = 0,
-                observed: Observed | None = None) -> Plan:
+                observed: Observed | None = None, text: bool = False) -> Plan:
     """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0),
     chains of min_k..kmax, and `tree` when given (ties: the cheaper, plain first). With
     `observed`, each plan's predicted time is corrected by its measured rounds: a plan whose
@@ -253,7 +287,9 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     best, best_rate = candidates[0], -1.0
     for plan in candidates:
         tau = (acceptance.tau_tree(plan.tree) if plan.tree is not None else acceptance.tau(plan.k))
-        ms = costs.round_ms(B, plan) * (observed.scale(B, plan) if observed is not None else 1.0)
+        if text:  # what the text adds to this plan's rounds
+            tau += acceptance.text_gain(plan.drafts)
+        ms = costs.round_ms(B, plan) * (observed.scale(B, plan, text) if observed is not None else 1.0)
         rate = B * tau / ms
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = plan, rate
@@ -283,7 +319,7 @@ def _time_batch(runner: Runner, seqs: list[SequenceState], context: int, lengths
             tokens = torch.ones(B, T, dtype=torch.long, device=dev)
             layout = causal_layout(starts, T, device=dev)
             t0 = time.perf_counter()
-            logits, feats = runner.target(seqs, tokens, layout)
+            logits, feats = runner.target(seqs, tokens, layout, with_features=runner.has_draft)
             logits.argmax(-1).tolist()
             t1 = time.perf_counter()
             if feats is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .costs import REPICK_EVERY as REPICK_EVERY
 from .costs import Acceptance, Observed, RoundCosts, choose_plan, repick_now
+from .suffix import SuffixBudget
 from .tree import TreeShape
 from .types import Plan, Verdict
 
@@ -47,41 +48,55 @@ class Planner:
         """After the runner changes (compiled): its costs and observed times are stale."""
         self.costs, self.observed, self._held = None, Observed(), None
 
-    def choose(self, B: int) -> Plan:
-        """The plan with the most tokens per millisecond at batch size B, plain decoding included."""
-        return choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed)
+    def choose(self, B: int, text: bool = False) -> Plan:
+        """The plan with the most tokens per millisecond at batch size B, plain decoding included
+        (`text`: for rows that also draft from the text)."""
+        return choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed,
+                           text=text)
 
-    def observe(self, B: int, plan: Plan, ms: float) -> None:
+    def observe(self, B: int, plan: Plan, ms: float, text: bool = False) -> None:
         """A round of `plan` at batch size B took `ms`: corrects the model's time for it."""
-        self.observed.record(B, plan, ms, self.costs.round_ms(B, plan))
+        self.observed.record(B, plan, ms, self.costs.round_ms(B, plan), text)
 
     def record(self, drafted: int, accepted: int, tree: bool = False) -> None:
         """One drafting round's acceptance (drafted = the chain's K; a tree's accepted path)."""
         self.acceptance.record(drafted, accepted, tree=tree)
 
-    def held(self, B: int) -> Plan:
-        """The engine's plan for a batch of B rows: chosen again after REPICK_EVERY rounds at one
-        batch size, or when the batch size changes."""
+    def suffix_budget(self, B: int, plan: Plan, nodes: int) -> SuffixBudget | None:
+        """What suffix nodes cost in a round of `plan` at batch size B (`decoding.suffix`): the
+        milliseconds per emitted token of the round and the extra milliseconds of 0..nodes more
+        verify tokens; None before the cost model is measured."""
+        if self.costs is None:
+            return None
+        a = self.acceptance
+        tau = (a.tau_tree(plan.tree) if plan.tree is not None else a.tau(plan.k)) if plan.drafts else 1.0
+        ms = self.costs.round_ms(B, plan) * self.observed.scale(B, plan, True)
+        return SuffixBudget(ms / (B * tau), self.costs.suffix_extra_ms(B, plan, nodes))
+
+    def held(self, B: int, text: bool = False) -> Plan:
+        """The engine's plan for a batch of B rows (`text`: some draft from the text too): chosen
+        again after REPICK_EVERY rounds at one batch size, or when the batch changes."""
         h = self._held
-        if h is not None and h[0] == B and h[2] < REPICK_EVERY:
-            self._held = (B, h[1], h[2] + 1)
+        if h is not None and h[0] == (B, text) and h[2] < REPICK_EVERY:
+            self._held = (h[0], h[1], h[2] + 1)
             return h[1]
-        plan = self.choose(B)
-        self._held = (B, plan, 1)
+        plan = self.choose(B, text)
+        self._held = ((B, text), plan, 1)
         return plan
 
-    def generation(self) -> Generation:
-        """The plans of one generation at batch 1 (`generate`), starting from a fresh choice."""
-        return Generation(self)
+    def generation(self, text: bool = False) -> Generation:
+        """The plans of one generation at batch 1 (`generate`), starting from a fresh choice
+        (`text`: the row also drafts from the text)."""
+        return Generation(self, text)
 
 
 class Generation:
     """Automatic K through one generation at batch 1: `plan` is the next round's; `after` takes
     each round's verdict and time and moves it on."""
 
-    def __init__(self, planner: Planner) -> None:
-        self.planner = planner
-        self.plan = planner.choose(1)
+    def __init__(self, planner: Planner, text: bool = False) -> None:
+        self.planner, self.text = planner, text
+        self.plan = planner.choose(1, text)
         self.plain_rounds = 0  # plain rounds so far
         self.plain_streak = 0  # plain rounds in a row, the last one included
         self.explore = 0  # plain rounds left to time
@@ -92,13 +107,15 @@ class Generation:
         head over the prompt."""
         p, planner = self.plan, self.planner
         self.plain_streak = self.plain_streak + 1 if not p.drafts else 0
-        if v.depths:
-            planner.record(len(v.depths), len(v.path))
-            if len(v.depths) == p.k and typical:  # a full round (not one cut at the end)
-                planner.observe(1, p, ms)
+        if self.text:  # what the text added, beyond the head
+            planner.acceptance.record_text(bool(v.head_nodes), len(v.path) - v.head_accepted)
+        if v.head_nodes:  # the head drafted (nodes from the text alone teach nothing about it)
+            planner.record(v.head_nodes, v.head_accepted)
+            if v.head_nodes == p.k and typical:  # a full round of the plan (text nodes included)
+                planner.observe(1, p, ms, self.text)
             if repick_now(drafting_rounds):
-                p = planner.choose(1)
-                if p.drafts and not planner.explored and not planner.observed.seen(1, Plan()):
+                p = planner.choose(1, self.text)
+                if p.drafts and not planner.explored and not planner.observed.seen(1, Plan(), self.text):
                     # Plain rounds were never timed here: the calibration's few forwards can
                     # misjudge them on a busy machine, and only a run puts them right.
                     p, self.explore, planner.explored = Plan(), EXPLORE_PLAIN, True
@@ -108,11 +125,11 @@ class Generation:
             # text again before the next choice.
             self.plain_rounds += 1
             if self.plain_streak > PLAIN_SETTLE:  # steady plain decoding, as plain would run
-                planner.observe(1, p, ms)
+                planner.observe(1, p, ms, self.text)
             if self.explore:
                 self.explore -= 1
                 if not self.explore:
-                    p = planner.choose(1)
+                    p = planner.choose(1, self.text)
             elif self.plain_rounds % PROBE_EVERY == 0:
                 p = Plan(1)
         self.plan = p

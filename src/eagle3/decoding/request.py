@@ -9,6 +9,7 @@ import torch
 
 from ..errors import Eagle3Error
 from .sampling import SamplingParams, check_sampling
+from .suffix import PROPOSERS
 from .tree import TreeShape, parse_tree
 
 MAX_NUM_DRAFT_TOKENS = 32
@@ -26,6 +27,7 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     num_draft_tokens: int | None = None  # None: automatic
     tree: TreeShape | None = None
+    proposer: str | None = None  # 'eagle', 'suffix', 'hybrid' (`decoding.suffix`); None: the default
 
 
 def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
@@ -72,7 +74,7 @@ def check_num_draft_tokens(k: Any, plain_ok: bool = False) -> int | None:
 def check_generation(prompt_ids: Any, max_new_tokens: Any, *, vocab_size: int, max_len: int,
                      eos_token_ids: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0,
                      seed: Any = None, num_draft_tokens: Any = None, tree: Any = None,
-                     stop_token_ids: Any = None) -> GenerationRequest:
+                     stop_token_ids: Any = None, proposer: Any = None) -> GenerationRequest:
     """Validate a request at admission (one clear error each); see `Eagle3Speculator.generate`."""
     ids = check_prompt(prompt_ids, vocab_size)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -88,4 +90,6 @@ def check_generation(prompt_ids: Any, max_new_tokens: Any, *, vocab_size: int, m
         raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
                           "None (the tree's depth and total_tokens size the draft)")
     stop = check_stop_ids(stop_token_ids, eos_token_ids)
-    return GenerationRequest(ids, max_new_tokens, params, stop, k, shape)
+    if proposer is not None and proposer not in PROPOSERS:
+        raise Eagle3Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
+    return GenerationRequest(ids, max_new_tokens, params, stop, k, shape, proposer)

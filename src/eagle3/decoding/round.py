@@ -39,6 +39,7 @@ from .accept import accept
 from .layout import Layout, causal_layout
 from .profile import active
 from .runner import Runner
+from .suffix import add_suffix_drafts, suffix_room
 from .types import Plan, Proposal, SequenceState, Verdict
 
 
@@ -90,6 +91,8 @@ def prefill(runner: Runner, seq: SequenceState) -> int:
     seq.stats.target_forwards += 1
     seq.target_len = n
     seq.done = emit(seq.out, [first], seq.stop_ids, seq.max_new_tokens)
+    if seq.suffix is not None:
+        seq.suffix.index.extend([first])
     if drafts and not seq.done:
         seq.pending_ids, seq.pending_feats = [*seq.prompt[1:], first], [feats[0]]
     prof.toc("prefill", logits, syncs=1)
@@ -140,13 +143,23 @@ def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Te
     if depths and room > 0:  # stats count what could be emitted: nodes past max_new_tokens are not
         verdict.drafted = sum(d <= room for d in depths)
         verdict.accepted = min(a, room)
-        seq.stats.record(verdict.drafted, verdict.accepted, min(max(depths), room))
+        head = verdict.head_nodes
+        seq.stats.record(verdict.drafted, verdict.accepted, min(max(depths), room),
+                         sum(d <= room for d in depths[head:]),
+                         sum(j > head for j in path[:verdict.accepted]))
     seq.stats.target_forwards += 1
     emitted = verdict.tokens
     new_start = len(seq.out)
     seq.done = emit(seq.out, emitted, seq.stop_ids, seq.max_new_tokens)
     verdict.new = seq.out[new_start:]
     verdict.done = seq.done
+    if seq.suffix is not None:
+        if verdict.suffix is not None:  # how far the text's chain agreed, what it alone added
+            chain, kept = verdict.suffix, emitted[:a]
+            agreed = next((i for i, (x, y) in enumerate(zip(chain, kept)) if x != y),
+                          min(len(chain), len(kept)))
+            seq.suffix.observe(agreed, sum(j > verdict.head_nodes for j in path))
+        seq.suffix.index.extend(verdict.new)
     if feats is not None and seq.drafts and not seq.done:
         seq.pending_ids.extend(emitted)
         seq.pending_feats.append(feats[b, [0, *path]])
@@ -162,7 +175,8 @@ def run_round(runner: Runner, seqs: list[SequenceState], plan: Plan) -> list[Ver
     plans = [s.plan or plan for s in seqs]
     grants = [grant(s, p, runner.max_len) for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
-        runner.reserve(s, s.target_len + (max(n + 1, draft_span(p)) if n else 1))
+        extra = suffix_room(s, runner.max_len, n) if s.suffix is not None else 0
+        runner.reserve(s, s.target_len + (max(n + 1 + extra, draft_span(p)) if n else 1 + extra))
     # Rows draft together when their drafts are the same function of their own state: one plan,
     # and for trees one depth (a row near the cache's end expands fewer levels), so a row's
     # proposal never depends on the batch it shares.
@@ -177,6 +191,8 @@ def run_round(runner: Runner, seqs: list[SequenceState], plan: Plan) -> list[Ver
                     else runner.draft_chain(group, p.k, counts))
         proposal.rows = rows
         proposals.append(proposal)
+    if any(s.suffix is not None for s in seqs):  # drafts from the text, merged in
+        proposals = add_suffix_drafts(seqs, proposals, runner.max_len, runner.device)
     if proposals:
         prof.toc("draft", proposals[-1].tokens)
     logits, feats, tokens = verify(runner, seqs, proposals)

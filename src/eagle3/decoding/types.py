@@ -13,6 +13,7 @@ from .tree import TreeShape
 
 if TYPE_CHECKING:
     from .sampling import Sampler
+    from .suffix import SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Proposal:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why its own drafting failed
     rows: list[int] = field(default_factory=list)  # the batch rows these are (set by the round)
     tree: bool = True  # False: chains, verified under the plain causal mask (no mask built)
+    head_counts: list[int] | None = None  # per row, how many of its nodes the head drafted (the
+    # rest came from the text: `decoding.suffix`); None: all of them
+    suffix: list[list[int] | None] | None = None  # per row, the suffix chain grafted in
 
 
 @dataclass
@@ -64,6 +68,13 @@ class Verdict:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None
+    head_nodes: int = 0  # how many of the drafted nodes (the first ones) the head drafted
+    suffix: list[int] | None = None  # the suffix chain grafted into this row's nodes
+
+    @property
+    def head_accepted(self) -> int:
+        """Accepted nodes the head drafted (the path's nodes among the first `head_nodes`)."""
+        return sum(j <= self.head_nodes for j in self.path)
 
 
 @dataclass
@@ -81,6 +92,9 @@ class SpecStats:
     seconds: float = 0.0
     num_draft_tokens: int | None = None  # the chain's K (automatic: the latest choice)
     tree: dict[str, int] | None = None  # the tree's shape, when drafting one
+    suffix_rounds: int = 0  # rounds that verified drafts from the text (`decoding.suffix`)
+    suffix_draft_tokens: int = 0  # of draft_tokens, those only the text proposed
+    suffix_accepted_tokens: int = 0  # of accepted_tokens, those only the text proposed
 
     @property
     def mean_accept_len(self) -> float:
@@ -93,10 +107,16 @@ class SpecStats:
                        (self.accept_len_hist, depth + 1)):
             lst.extend([0] * (n - len(lst)))
 
-    def record(self, drafted: int, accepted: int, deepest: int) -> None:
+    def record(self, drafted: int, accepted: int, deepest: int, suffix_drafted: int = 0,
+               suffix_accepted: int = 0) -> None:
         """One verify round: `drafted` emittable draft tokens, `accepted` of them accepted, drafts
-        reaching position `deepest` (a chain's length, a tree's depth)."""
+        reaching position `deepest` (a chain's length, a tree's depth); of them, the text's own
+        (`suffix_drafted` nodes the head did not draft, `suffix_accepted` of them accepted)."""
         self.size(deepest)
+        if suffix_drafted:
+            self.suffix_rounds += 1
+            self.suffix_draft_tokens += suffix_drafted
+            self.suffix_accepted_tokens += suffix_accepted
         self.rounds += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
@@ -112,7 +132,9 @@ class SpecStats:
                "accepted_per_position": list(self.accepted_per_position),
                "drafted_per_position": list(self.drafted_per_position),
                "mean_accept_len": self.mean_accept_len, "accept_len_hist": list(self.accept_len_hist),
-               "target_forwards": self.target_forwards, "seconds": self.seconds}
+               "target_forwards": self.target_forwards, "seconds": self.seconds,
+               "suffix_rounds": self.suffix_rounds, "suffix_draft_tokens": self.suffix_draft_tokens,
+               "suffix_accepted_tokens": self.suffix_accepted_tokens}
         if self.tree is not None:
             out["tree"] = dict(self.tree)
         if self.num_draft_tokens is not None:
@@ -137,6 +159,7 @@ class SequenceState:
     draft_len: int = 0  # positions with draft K/V
     pending_ids: list[int] = field(default_factory=list)  # tokens the draft has not seen
     pending_feats: list[torch.Tensor] = field(default_factory=list)  # their features (n, H)
+    suffix: SuffixProposer | None = None  # drafts from the text itself (`decoding.suffix`)
     root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
     boundary: torch.Tensor | None = None  # (H,) the feature that follows
     done: bool = False

@@ -31,6 +31,7 @@ from ..decoding.planner import Planner
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
 from ..decoding.round import SequenceState, prefill, run_round
 from ..decoding.sampling import Sampler
+from ..decoding.suffix import resolve_proposer, suffix_proposer
 from ..decoding.tree import TreeShape, parse_tree
 from ..decoding.types import Plan
 from ..errors import Eagle3Error, brief, notice
@@ -56,6 +57,8 @@ class EngineConfig:
     num_draft_tokens: int | None = None  # None: the plan per batch size from the cost model
     tree: Any = None  # a tree shape (True: the default) the cost model may pick
     auto_plan: bool = True  # False with a tree: every round drafts the tree
+    proposer: str | None = None  # requests' default proposer (`decoding.suffix`); None: 'hybrid'
+    # with a head that speculates, plain decoding without one
     request_timeout_s: float | None = None  # default per-request deadline
     page_size: int = 16
 
@@ -190,7 +193,8 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def submit(self, prompt_ids: Any, max_tokens: Any, *, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop_token_ids: Any = None,
-               on_event: Any = None, timeout_s: float | None = None) -> Request:
+               on_event: Any = None, timeout_s: float | None = None,
+               proposer: str | None = None) -> Request:
         """Queue a request (see the module docstring); raises EngineError with an HTTP status."""
         if not self.is_running:
             raise EngineError("the engine is not running (start it, or it is shutting down)", 503)
@@ -203,6 +207,8 @@ class Engine:
                                    max_len=self.max_model_len, eos_token_ids=cfg.eos_token_ids,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    stop_token_ids=stop_token_ids)
+            proposer = resolve_proposer(proposer or self.config.proposer, self.speculate,
+                                        greedy=req.sampling.greedy)
         except Eagle3Error as e:
             raise EngineError(str(e).replace("max_new_tokens", "max_tokens")) from None
         prompt_ids = req.prompt
@@ -224,7 +230,8 @@ class Engine:
             # draws then never depend on timings or on the batch they share.
             own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
             r.seq = SequenceState(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
-                             drafts=self.speculate, plan=own)
+                                  drafts=self.speculate and proposer != "suffix", plan=own,
+                                  suffix=suffix_proposer(proposer, r.prompt_ids))
             self.waiting.append(r)
             self.lock.notify_all()
         return r
@@ -273,6 +280,10 @@ class Engine:
         # cost, so such rounds do not correct the cost model.
         typical = not any(r.seq.draft_len == 0 and r.seq.drafts for r in batch)
         t0 = time.perf_counter()
+        for r in batch:  # what suffix nodes cost in this round (`decoding.suffix`); sampled rows
+            # keep the fixed rule, so that a seed's draws never depend on the batch or on timings
+            if r.seq.suffix is not None and r.seq.sampler is None:
+                r.seq.suffix.budget = self.planner.suffix_budget(len(batch), plan, r.seq.suffix.nodes)
         try:
             verdicts = run_round(self.runner, [r.seq for r in batch], plan)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
@@ -281,7 +292,8 @@ class Engine:
                 self._finish(r, RequestState.FAILED, "error", error=brief(e))
             return True
         if self.costs is not None and (typical or not plan.drafts):
-            self.planner.observe(len(batch), plan, (time.perf_counter() - t0) * 1e3)
+            self.planner.observe(len(batch), plan, (time.perf_counter() - t0) * 1e3,
+                                 any(r.seq.suffix is not None for r in batch))
         with self.lock:  # counters for metrics(), which other threads read: consistent per round
             self.stats.round(plan, {r.id: r.metrics for r in batch})
         now = time.perf_counter()
@@ -289,8 +301,10 @@ class Engine:
             if v.error is not None:  # this request's own handling failed: it alone fails
                 self._finish(r, RequestState.FAILED, "error", error=v.error)
                 continue
-            if v.depths:
-                self.planner.record(len(v.depths), len(v.path), tree=plan.tree is not None)
+            if r.seq.suffix is not None:  # what the text added beyond the head (`decoding.suffix`)
+                self.planner.acceptance.record_text(bool(v.head_nodes), len(v.path) - v.head_accepted)
+            if v.head_nodes:  # the head's own acceptance (`decoding.suffix` nodes apart)
+                self.planner.record(v.head_nodes, v.head_accepted, tree=plan.tree is not None)
             if v.new:
                 r.last_token_at = now
             if v.done:
@@ -306,7 +320,8 @@ class Engine:
             return Plan(self.config.num_draft_tokens)
         if not self.automatic:
             return Plan(tree=self.tree)
-        return self.planner.held(len(batch))
+        # rows drafting from the text too (`decoding.suffix`): their gain counts, their times apart
+        return self.planner.held(len(batch), any(r.seq.suffix is not None for r in batch))
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:
@@ -377,6 +392,7 @@ class Engine:
             r.finished_at = time.perf_counter()
             if r.seq is not None:  # drop the tensors it holds
                 r.seq.pending_ids, r.seq.pending_feats, r.seq.root, r.seq.boundary = [], [], None, None
+                r.seq.suffix = None  # its suffix index
             m = r.metrics
             if r.admitted_at is None:  # never prefilled
                 m["prompt_tokens"] = 0

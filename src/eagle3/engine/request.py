@@ -93,6 +93,8 @@ class Request:
             "spec_decode_num_draft_tokens": st.draft_tokens,
             "spec_decode_num_accepted_tokens": st.accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(st.accepted_per_position),
+            "suffix_draft_tokens": st.suffix_draft_tokens,  # of them, the text's own (`decoding.suffix`)
+            "suffix_accepted_tokens": st.suffix_accepted_tokens,
             "accept_len_hist": list(st.accept_len_hist),
             "mean_accept_len": st.mean_accept_len if drafts else None,
         }

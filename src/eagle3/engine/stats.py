@@ -9,7 +9,7 @@ from typing import Any
 from ..decoding.types import Plan
 
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-            "prompt_tokens", "generation_tokens")
+            "suffix_draft_tokens", "suffix_accepted_tokens", "prompt_tokens", "generation_tokens")
 OUTCOMES = {"finished": "requests_finished", "aborted": "requests_aborted", "failed": "requests_failed"}
 
 

@@ -377,8 +377,13 @@ class ExecutorchSpeculator(Eagle3Speculator):
     def generate(self, prompt_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  num_draft_tokens: int | None = None, tree: Any = None,
-                 stop_token_ids: Any = None) -> GenerationResult:
-        """As `Eagle3Speculator.generate`, greedy only; K up to the program's max_draft_tokens."""
+                 stop_token_ids: Any = None, proposer: str | None = None) -> GenerationResult:
+        """As `Eagle3Speculator.generate`, greedy only; K up to the program's max_draft_tokens;
+        the head drafts (proposer None or 'eagle')."""
+        if proposer not in (None, "eagle"):
+            raise Eagle3Error(f"the executorch backend drafts with the head only (its verify is "
+                              f"exported for up to {self.max_draft_tokens} chain drafts); drop "
+                              f"proposer '{proposer}' or use backend='native'")
         if temperature != 0.0 or top_p != 1.0 or top_k != 0:
             raise Eagle3Error("the executorch backend decodes greedily (its methods return token ids, "
                               "not logits); use temperature 0 or backend='native' to sample")

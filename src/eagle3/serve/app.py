@@ -120,7 +120,8 @@ class Generation:
         self.cancelled = False  # we aborted it (client gone)
         try:
             self.req = engine.submit(prompt_ids, max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                     top_k=p.top_k, seed=p.seed, on_event=self._on_event)
+                                     top_k=p.top_k, seed=p.seed, on_event=self._on_event,
+                                     proposer=p.proposer)
         except Eagle3Error as e:  # EngineError carries the HTTP status
             raise APIError(getattr(e, "status", 400), str(e)) from None
 
@@ -188,7 +189,10 @@ class Generation:
         m = self.req.metrics
         drafts, accepted = m.get("spec_decode_num_drafts", 0), m.get("spec_decode_num_accepted_tokens", 0)
         return {"spec_decode_num_drafts": drafts, "spec_decode_num_accepted_tokens": accepted,
-                "mean_accept_len": 1.0 + accepted / drafts if drafts else None, "ttft_s": m.get("ttft_s")}
+                "mean_accept_len": 1.0 + accepted / drafts if drafts else None, "ttft_s": m.get("ttft_s"),
+                # of the drafted and accepted tokens, those only the text proposed (`decoding.suffix`)
+                "suffix_draft_tokens": m.get("suffix_draft_tokens", 0),
+                "suffix_accepted_tokens": m.get("suffix_accepted_tokens", 0)}
 
 
 class ClientStalled(Exception):

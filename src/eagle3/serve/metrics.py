@@ -22,6 +22,8 @@ COUNTERS = (
     ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative rounds that drafted tokens."),
     ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("suffix_draft_tokens", "suffix_draft_tokens", "Draft tokens only the text proposed (suffix)."),
+    ("suffix_accepted_tokens", "suffix_accepted_tokens", "Accepted draft tokens only the text proposed."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens processed."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
     ("requests_finished", "request_success", "Requests finished (stop token or length)."),

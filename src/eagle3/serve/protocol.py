@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..decoding.suffix import PROPOSERS
+
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                429: "RateLimitError",
@@ -56,7 +58,8 @@ class ServerLimits:
             # headers arrive as bytes and the token is stripped: any other key could never match
             raise ValueError("api_key must be visible ASCII characters without spaces")
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                 "stream_options", "user", "logprobs", "presence_penalty", "frequency_penalty"}
+                 "stream_options", "user", "logprobs", "presence_penalty", "frequency_penalty",
+                 "proposer"}  # proposer: eagle3's own, who drafts (`decoding.suffix`)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -87,6 +90,7 @@ class GenerateParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    proposer: str | None = None  # 'eagle' | 'suffix' | 'hybrid'; None: the server's default
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -169,6 +173,10 @@ def _common(body: dict, allowed: set[str], model_name: str, limits: ServerLimits
     p = GenerateParams(temperature=_get(body, "temperature", "number", 1.0),
                        top_p=_get(body, "top_p", "number", 1.0), seed=_get(body, "seed", "int"),
                        stream=_get(body, "stream", "bool", False))
+    p.proposer = _get(body, "proposer", "str")
+    if p.proposer is not None and p.proposer not in PROPOSERS:
+        raise APIError(400, f"'proposer' must be one of {', '.join(PROPOSERS)}, got {quote(p.proposer)}",
+                       param="proposer")
     top_k = _get(body, "top_k", "int", 0)
     p.top_k = 0 if top_k == -1 else top_k  # vLLM spells "off" -1
     p.max_tokens = _get(body, "max_tokens", "int")

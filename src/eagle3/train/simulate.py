@@ -18,11 +18,12 @@ from .ttt import ttt_loss
 
 
 @torch.no_grad()
-def chain_hits(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
+def chain_runs(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
                max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits (max_k,), rows (max_k,)) for one batch: rows[k-1] counts the rows whose next k
-    tokens all carry loss (response tokens), hits[k-1] those of them whose first k drafts are
-    all right. tokens (B, T), mask (B, T), taps (B, T, n*Ht): the target's, over `tokens`."""
+    """Per row t (B, R = T-1): `runs`, how many of a chain's first max_k drafts after the anchor
+    x_{t+1} are right in a row, and `room`, how many of the next max_k tokens x_{t+2..} carry loss
+    (response tokens) in a row; runs <= room. tokens (B, T), mask (B, T), taps (B, T, n*Ht): the
+    target's, over `tokens`."""
     B, T = tokens.shape
     R = T - 1
     # The loss needs a target distribution; its value is not used here (a free broadcast view).
@@ -30,17 +31,28 @@ def chain_hits(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps
     _, _, _, logits = ttt_loss(head, tokens, mask, taps, flat, steps=max_k, return_logits=True)
     drafts = head.to_target_ids(logits.argmax(-1))  # (K, B, R): step i of row t drafts x_{t+2+i}
     t = torch.arange(R, device=tokens.device)
-    hits, rows = torch.zeros(max_k), torch.zeros(max_k)
+    runs = torch.zeros(B, R, dtype=torch.long, device=tokens.device)
+    room = torch.zeros_like(runs)
     right = torch.ones(B, R, dtype=torch.bool, device=tokens.device)
     counted = torch.ones(B, R, dtype=torch.bool, device=tokens.device)
     for i in range(max_k):
         at = (t + 2 + i).clamp_max(T - 1)  # (R,)
-        inside = (t + 2 + i < T)[None, :]
-        counted &= inside & mask[:, at]
-        right &= drafts[i] == tokens[:, at]
-        rows[i] = counted.sum()
-        hits[i] = (counted & right).sum()
-    return hits, rows
+        counted &= (t + 2 + i < T)[None, :] & mask[:, at]
+        right &= counted & (drafts[i] == tokens[:, at])
+        room += counted
+        runs += right
+    return runs, room
+
+
+def chain_hits(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
+               max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits (max_k,), rows (max_k,)) for one batch: rows[k-1] counts the rows whose next k
+    tokens all carry loss (response tokens), hits[k-1] those of them whose first k drafts are
+    all right (`chain_runs`)."""
+    runs, room = chain_runs(head, tokens, mask, taps, max_k)
+    k = torch.arange(1, max_k + 1, device=runs.device)[:, None, None]
+    return ((runs[None] >= k).flatten(1).sum(1).float().cpu(),
+            (room[None] >= k).flatten(1).sum(1).float().cpu())
 
 
 def simulated_tau(hits: torch.Tensor, rows: torch.Tensor) -> list[float]:
