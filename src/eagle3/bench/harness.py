@@ -51,7 +51,7 @@ def generate_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tre
             t0 = time.perf_counter()
             r = spec.generate(ids, max_new_tokens, num_draft_tokens=k, tree=tree,
                               temperature=temperature, seed=next(calls) if temperature else None,
-                              **({"proposer": proposer} if proposer else {}))
+                              proposer=proposer)
             seconds = time.perf_counter() - t0
         return Sample(r.token_ids, seconds, r.stats, prof)
     return run

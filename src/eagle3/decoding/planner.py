@@ -108,7 +108,7 @@ class Generation:
         p, planner = self.plan, self.planner
         self.plain_streak = self.plain_streak + 1 if not p.drafts else 0
         if self.text:  # what the text added, beyond the head
-            planner.acceptance.record_text(bool(v.head_nodes), len(v.path) - v.head_accepted)
+            planner.acceptance.record_text(bool(v.head_nodes), v.text_accepted)
         if v.head_nodes:  # the head drafted (nodes from the text alone teach nothing about it)
             planner.record(v.head_nodes, v.head_accepted)
             if v.head_nodes == p.k and typical:  # a full round of the plan (text nodes included)

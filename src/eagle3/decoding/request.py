@@ -9,7 +9,6 @@ import torch
 
 from ..errors import Eagle3Error
 from .sampling import SamplingParams, check_sampling
-from .suffix import PROPOSERS
 from .tree import TreeShape, parse_tree
 
 MAX_NUM_DRAFT_TOKENS = 32
@@ -90,6 +89,6 @@ def check_generation(prompt_ids: Any, max_new_tokens: Any, *, vocab_size: int, m
         raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
                           "None (the tree's depth and total_tokens size the draft)")
     stop = check_stop_ids(stop_token_ids, eos_token_ids)
-    if proposer is not None and proposer not in PROPOSERS:
-        raise Eagle3Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
+    # the proposer's name and what it needs are checked against the speculator
+    # (`suffix.resolve_proposer`), which knows whether a head is there
     return GenerationRequest(ids, max_new_tokens, params, stop, k, shape, proposer)

@@ -158,7 +158,7 @@ def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Te
             chain, kept = verdict.suffix, emitted[:a]
             agreed = next((i for i, (x, y) in enumerate(zip(chain, kept)) if x != y),
                           min(len(chain), len(kept)))
-            seq.suffix.observe(agreed, sum(j > verdict.head_nodes for j in path))
+            seq.suffix.observe(agreed, verdict.text_accepted)
         seq.suffix.index.extend(verdict.new)
     if feats is not None and seq.drafts and not seq.done:
         seq.pending_ids.extend(emitted)

@@ -76,6 +76,11 @@ class Verdict:
         """Accepted nodes the head drafted (the path's nodes among the first `head_nodes`)."""
         return sum(j <= self.head_nodes for j in self.path)
 
+    @property
+    def text_accepted(self) -> int:
+        """Accepted nodes only the text proposed (`decoding.suffix`)."""
+        return len(self.path) - self.head_accepted
+
 
 @dataclass
 class SpecStats:

@@ -31,7 +31,7 @@ from ..decoding.planner import Planner
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
 from ..decoding.round import SequenceState, prefill, run_round
 from ..decoding.sampling import Sampler
-from ..decoding.suffix import resolve_proposer, suffix_proposer
+from ..decoding.suffix import SUFFIX_NODES, resolve_proposer, suffix_proposer
 from ..decoding.tree import TreeShape, parse_tree
 from ..decoding.types import Plan
 from ..errors import Eagle3Error, brief, notice
@@ -280,10 +280,13 @@ class Engine:
         # cost, so such rounds do not correct the cost model.
         typical = not any(r.seq.draft_len == 0 and r.seq.drafts for r in batch)
         t0 = time.perf_counter()
-        for r in batch:  # what suffix nodes cost in this round (`decoding.suffix`); sampled rows
-            # keep the fixed rule, so that a seed's draws never depend on the batch or on timings
+        # What suffix nodes cost in this round (`decoding.suffix`), the same for every row; sampled
+        # rows keep the fixed rule, so that a seed's draws never depend on the batch or on timings.
+        budget = None
+        for r in batch:
             if r.seq.suffix is not None and r.seq.sampler is None:
-                r.seq.suffix.budget = self.planner.suffix_budget(len(batch), plan, r.seq.suffix.nodes)
+                budget = budget or self.planner.suffix_budget(len(batch), plan, SUFFIX_NODES)
+                r.seq.suffix.budget = budget
         try:
             verdicts = run_round(self.runner, [r.seq for r in batch], plan)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
@@ -302,7 +305,7 @@ class Engine:
                 self._finish(r, RequestState.FAILED, "error", error=v.error)
                 continue
             if r.seq.suffix is not None:  # what the text added beyond the head (`decoding.suffix`)
-                self.planner.acceptance.record_text(bool(v.head_nodes), len(v.path) - v.head_accepted)
+                self.planner.acceptance.record_text(bool(v.head_nodes), v.text_accepted)
             if v.head_nodes:  # the head's own acceptance (`decoding.suffix` nodes apart)
                 self.planner.record(v.head_nodes, v.head_accepted, tree=plan.tree is not None)
             if v.new:
