@@ -159,3 +159,27 @@ def test_real_model_in_each_format_is_bit_exact(quantize):
         # to the cache's last slot: capacity cuts the drafts, the output stays plain's
         n = 160 - len(ids)
         assert spec.generate(ids, n, num_draft_tokens=6).token_ids == plain.generate(ids, n).token_ids
+
+
+def test_drafts_from_the_text_are_lossless_on_the_real_model(spec):
+    """SmolLM2 + the shipped head with drafts from the text (`decoding.suffix`): hybrid chains of
+    K 1 / 4, the tree and automatic K, and the text alone, each token for token equal to plain
+    decoding (which equals transformers' greedy output, above), on chat prompts and rewrite
+    prompts that copy their text; the text's drafts are accepted there."""
+    from eagle3.bench.prompts import prompt_set
+    from eagle3.train.data import prompt_from_record
+
+    plain = spec.plain()
+    prompts = [spec.tokenizer.apply_chat_template(m) for m in MESSAGES]
+    prompts += [prompt_from_record(rec, spec.tokenizer, where) for where, rec in prompt_set("rewrite", 2)]
+    from_text = 0
+    for ids in prompts:
+        want = plain.generate(ids, 48).token_ids
+        for kw in ({"proposer": "hybrid", "num_draft_tokens": 1},
+                   {"proposer": "hybrid", "num_draft_tokens": 4}, {"proposer": "hybrid", "tree": True},
+                   {"proposer": "hybrid"}, {"proposer": "suffix"}):
+            r = spec.generate(ids, 48, **kw)
+            assert r.token_ids == want, kw
+            from_text += r.stats["suffix_accepted_tokens"]
+        assert plain.generate(ids, 48, proposer="suffix").token_ids == want  # no head at all
+    assert from_text > 20
