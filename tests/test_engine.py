@@ -95,8 +95,9 @@ def test_batched_speculation_equals_single_request_greedy(ctx, random_target, mo
     assert m["requests_finished"] == len(ps)
     if mode == "full" and k is not None:  # the scripted head is always right
         assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
-    if mode == "zero":
-        assert m["spec_decode_num_accepted_tokens"] == 0 and m["spec_decode_num_drafts"] > 0
+    if mode == "zero":  # automatic K may rightly choose plain rounds throughout: no drafts to count
+        assert m["spec_decode_num_accepted_tokens"] == 0
+        assert m["spec_decode_num_drafts"] > 0 or k is None
     assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
 
 
