@@ -264,3 +264,71 @@ def test_gemma2_gguf_reads_its_softcaps_and_query_scale(tmp_path, layers):
         got, _ = t.forward_logits_taps(ids, torch.arange(24), t.new_cache(1, 64), kv_len=24, with_taps=False)
     assert want.abs().max() > 3.0  # the final cap (4.0) is reached, not idle
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _same_as_library(path: str) -> list[str]:
+    """eagle3's reader (`gguf._reader`) against the gguf package's own on `path`: every field and
+    tensor the same, long arrays stepped over with their lengths kept; returns the stepped keys."""
+    import gguf
+    import numpy as np
+
+    from eagle3.targets import gguf as eagle3_gguf
+
+    ours, lib = eagle3_gguf._reader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(lib.fields)
+    stepped = []
+    for key, field in ours.fields.items():
+        want = lib.fields[key]
+        assert field.offset == want.offset and field.types == want.types, key
+        if len(want.data) > eagle3_gguf.LONG_ARRAY:  # stepped over: its length kept, no parts
+            assert field.contents() == [] and int(field.parts[4][0]) == len(want.data), key
+            stepped.append(key)
+        else:
+            assert field.contents() == want.contents(), key
+    assert ours.data_offset == lib.data_offset and len(ours.tensors) == len(lib.tensors)
+    for t, u in zip(ours.tensors, lib.tensors):
+        assert (t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) == \
+            (u.name, u.tensor_type, list(u.shape), u.data_offset, u.n_bytes)
+        assert np.array_equal(np.asarray(t.data), np.asarray(u.data))
+    assert eagle3_gguf._scalars(ours) == eagle3_gguf._scalars(lib)
+    return stepped
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_gguf_reader_steps_over_long_arrays_like_the_library(tmp_path, endian):
+    """Long arrays (a vocabulary, merges, scores, token types: strings of any length, empty and
+    multi-byte ones included, and fixed-size numbers) are stepped over without losing the place
+    of the fields and tensors after them; short ones are read as the library reads them."""
+    import gguf
+    import numpy as np
+
+    from eagle3.targets.gguf import LONG_ARRAY
+
+    rng = np.random.default_rng(0)
+    n = LONG_ARRAY + 77
+    words = ["", "é", "\u4e2d\u6587", "a" * 300] + [f"tok{i}" * int(rng.integers(1, 5)) for i in range(n)]
+    path = str(tmp_path / f"arrays-{endian}.gguf")
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE)
+    w.add_token_list(words)
+    w.add_token_scores(rng.standard_normal(n).astype(np.float32).tolist())
+    w.add_token_types([int(x) for x in rng.integers(1, 6, n)])
+    w.add_array("test.short_strings", ["x", "yy", ""])
+    w.add_array("test.exactly_long", list(range(LONG_ARRAY)))
+    w.add_uint32("test.after", 7)
+    w.add_string("test.name", "after the arrays")
+    w.add_tensor("a", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b", rng.standard_normal((5, 32)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    stepped = _same_as_library(path)
+    assert sorted(stepped) == ["tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens"]
+
+
+def test_gguf_reader_on_the_default_target_file():
+    from eagle3.targets.gguf import find_gguf
+    from eagle3.targets.named import model_path
+
+    stepped = _same_as_library(find_gguf(model_path("smollm2-135m-instruct")))
+    assert sorted(stepped) == ["tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens"]

@@ -310,12 +310,21 @@ def one_op_ok(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch
             and cos.is_contiguous() and sin.is_contiguous() and fused_step_ok(h, cos))
 
 
+def embedding(vocab: int, hidden: int) -> nn.Embedding:
+    """`nn.Embedding(vocab, hidden)`; on the meta device (a model about to be loaded) without
+    its random normal init, whose first call in a process costs ~1 s of PyTorch's lazy imports
+    for nothing."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+    return nn.Embedding(vocab, hidden)
+
+
 class Backbone(nn.Module):
     """Holds the parameters under HF's `model.` prefix."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import mmap
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,15 +70,45 @@ class GGUFTensors:
     data: np.memmap
 
 
+LONG_ARRAY = 1024  # arrays longer than this are stepped over, not split into parts (`_reader`)
+
+
 def _reader(path: str):
+    """A `gguf.GGUFReader` of `path` that steps over long arrays (a vocabulary, its merges,
+    scores and token types) instead of building a numpy view per element, which took ~3.5 of a
+    ~5 s load of SmolLM2: such a field's parts are its key, type, element type and length only,
+    so its `contents()` is [] and `parts[4]` its length (as for any array field). Every other
+    field and the tensors are the library's own parsing. Only what this module reads of a file
+    matters here: the vocabulary goes to transformers' GGUF loader (`gguf_tokenizer_dir`)."""
     try:
         import gguf
     except ImportError:
         raise Eagle3Error("reading GGUF files needs the gguf package: pip install gguf") from None
     if not os.path.isfile(path):
         raise Eagle3Error(f"GGUF file {path} does not exist; pass an existing .gguf file")
+    T = gguf.GGUFValueType
+
+    class Reader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if raw_type != T.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item, n = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            size = 0 if item[0] == T.STRING else np.dtype(self.gguf_scalar_to_np.get(T(item[0]), np.void)).itemsize
+            if n[0] <= LONG_ARRAY or (item[0] != T.STRING and size == 0):
+                return super()._get_field_parts(orig_offs, raw_type)  # short, or nested arrays
+            raw, offs = memoryview(self.data), orig_offs + 12
+            if size:
+                offs += size * int(n[0])
+            else:
+                order = "<Q" if self.endianess == gguf.GGUFEndian.LITTLE else ">Q"
+                for _ in range(int(n[0])):  # each string: a u64 length, then its bytes
+                    offs += 8 + struct.unpack_from(order, raw, offs)[0]
+            if offs > len(raw):
+                raise ValueError("an array runs past the end of the file")
+            return offs - orig_offs, [item, n], [], [T.ARRAY, T(item[0])]
+
     try:
-        return gguf.GGUFReader(path)
+        return Reader(path)
     except Exception as e:  # gguf raises ValueError, struct.error, IndexError, ... on bad files
         reason = (str(e).splitlines() or [type(e).__name__])[0][:120]
         raise Eagle3Error(f"cannot read GGUF file {path} ({reason}): it is truncated or not a GGUF "
@@ -90,7 +121,7 @@ def _scalars(reader) -> dict:
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in (
                 "tokens", "merges", "scores", "token_type"):
-            out[key] = len(field.data)
+            out[key] = int(field.parts[4][0])  # the array's length (key, type, item type, length)
             continue
         try:
             out[key] = field.contents()
