@@ -238,11 +238,20 @@ def train(args, cooldown: bool) -> None:
     init = CAMPAIGN / "head"
     if not (init / "config.json").is_file():  # the campaign starts from the shipped default
         init = ROOT / "models/default/head"
+    recipe = [*(["--lm-head-from-target"] if args.lm_head_from_target else []),
+              *(["--freeze-lm-head", str(args.freeze_lm_head)] if args.freeze_lm_head else []),
+              *(["--norm-before-fc"] if args.norm_before_fc else [])]
+    if (args.from_scratch or recipe) and stage != "trial":
+        sys.exit("--from-scratch, --lm-head-from-target, --freeze-lm-head and --norm-before-fc are "
+                 "for A/B arms: add --trial NAME")
+    if args.lm_head_from_target and not args.from_scratch:
+        sys.exit("--lm-head-from-target starts a head's readout afresh: add --from-scratch")
+    start = ["--init-from", str(init)] if not args.from_scratch else []
     resume = ["--resume"] if (run / "checkpoint.pt").is_file() and args.resume else []
     if args.seed is None:  # each stage its own batch order: the number of stages before it
         args.seed = sum(1 for e in read_log() if e["stage"] == "train")
     cmd = [str(ROOT / ".venv/bin/eagle3"), "train-draft", "--target", TARGET, "--data", str(data),
-           "--out", str(run), "--init-from", str(init), "--features", args.features, "--ttt-steps", "4",
+           "--out", str(run), *start, *recipe, "--features", args.features, "--ttt-steps", "4",
            "--dtype", "bfloat16", "--max-seq-len", str(MAX_SEQ), "--max-prompt-len", str(MAX_PROMPT),
            "--response-len", str(RESPONSE), "--batch", "8", "--draft-vocab", "8192",
            "--epochs", "1000", "--max-steps", str(args.steps), "--lr", str(args.lr),
@@ -257,7 +266,8 @@ def train(args, cooldown: bool) -> None:
     entry = {"stage": stage, **({"trial": args.trial} if args.trial else {}),
              "resumed": bool(resume) and not args.continue_trial,
              **({"continues": args.continue_trial} if args.continue_trial else {}),
-             "init": str(init.relative_to(ROOT)), "hard_loss": args.hard_loss,
+             "init": "scratch" if args.from_scratch else str(init.relative_to(ROOT)),
+             **({"recipe": " ".join(recipe)} if recipe else {}), "hard_loss": args.hard_loss,
              "prompts": n, "response_tokens": response, "steps": report["steps"], "batch": 8,
              "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
              "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
@@ -271,7 +281,7 @@ def train(args, cooldown: bool) -> None:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         tmp = CAMPAIGN / "head.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_head(str(tmp), cfg, state, "official")
+        write_head(str(tmp), cfg, state, "speculators" if cfg.norm_before_fc else "official")
         shutil.rmtree(CAMPAIGN / "head", ignore_errors=True)
         tmp.rename(CAMPAIGN / "head")
     log(entry)
@@ -404,6 +414,15 @@ def main() -> int:
         t.add_argument("--hard-loss", type=float, default=0.0, help="train-draft --hard-loss")
         t.add_argument("--trial", default=None, metavar="NAME",
                        help="an A/B arm: train into out/campaign/NAME, log it, keep the campaign's head")
+        t.add_argument("--from-scratch", action="store_true",
+                       help="with --trial: a new head (random init, the draft vocabulary from the "
+                            "data) instead of the campaign's, to A/B a recipe change at a fixed budget")
+        t.add_argument("--lm-head-from-target", action="store_true",
+                       help="with --trial --from-scratch: train-draft --lm-head-from-target")
+        t.add_argument("--freeze-lm-head", type=int, default=0, metavar="STEPS",
+                       help="with --trial: train-draft --freeze-lm-head STEPS")
+        t.add_argument("--norm-before-fc", action="store_true",
+                       help="with --trial --from-scratch: train-draft --norm-before-fc")
         t.add_argument("--continue-trial", default=None, metavar="NAME",
                        help="go on from trial NAME's checkpoint (same data and settings) as this stage")
     args = ap.parse_args()

@@ -134,10 +134,22 @@ def test_auto_is_lossless_and_settles_on_the_right_k(target, mode, expect):
         assert r.stats["target_forwards"] == n  # nothing accepted: one forward per token
 
 
-def test_auto_times_plain_rounds_once_before_trusting_the_model(target):
+def test_auto_times_plain_rounds_once_before_trusting_the_model(target, monkeypatch):
     """The calibration's few forwards can misjudge a plain step on a busy machine: automatic K
     runs EXPLORE_PLAIN plain rounds once per speculator (at its first re-choice) to time them,
-    stays lossless, and the next generation trusts the timed model."""
+    stays lossless, and the next generation trusts the timed model. Rounds are timed by a clock
+    that gives every round 1 ms, plain or drafting (real timings on a shared machine could make
+    plain rounds rightly win the second generation too)."""
+    import eagle3.speculator as speculator
+
+    class Clock:  # each reading 1 ms after the last: generate reads it twice a round
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 1e-3
+            return self.now
+
+    monkeypatch.setattr(speculator, "time", Clock())
     t = load_target(target)
     attach_head(head := scripted(t, "full", PROMPTS[:1], 160), t)
     spec = Eagle3Speculator(t, head)

@@ -308,7 +308,8 @@ def test_gguf_reader_steps_over_long_arrays_like_the_library(tmp_path, endian):
     n = LONG_ARRAY + 77
     words = ["", "é", "\u4e2d\u6587", "a" * 300] + [f"tok{i}" * int(rng.integers(1, 5)) for i in range(n)]
     path = str(tmp_path / f"arrays-{endian}.gguf")
-    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE)
+    order = gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE
+    w = gguf.GGUFWriter(path, "llama", endianess=order)
     w.add_token_list(words)
     w.add_token_scores(rng.standard_normal(n).astype(np.float32).tolist())
     w.add_token_types([int(x) for x in rng.integers(1, 6, n)])

@@ -725,3 +725,23 @@ def test_lm_head_from_the_target_then_frozen_for_a_while(target_dir, data_file, 
     with pytest.raises(Eagle3Error, match="choose one"):
         train_draft(args_for(target_dir, data_file, tmp_path / "o2", lm_head_from_target=True,
                              init_from=str(out / "head")))
+
+
+def test_norm_before_fc_trains_a_norm_over_the_taps_and_round_trips(target_dir, data_file, tmp_path):
+    """--norm-before-fc: the head holds an RMSNorm over the concatenated taps, trained (it leaves
+    its init of ones), saved as norm_before_fc and loaded back to the same drafts; --init-from
+    checks the setting against the head it continues."""
+    out = tmp_path / "out"
+    train_draft(args_for(target_dir, data_file, out, norm_before_fc=True, max_steps=3, lr=3e-3))
+    state = ckpt_head(out)
+    assert "input_norm.weight" in state and not torch.equal(state["input_norm.weight"],
+                                                            torch.ones_like(state["input_norm.weight"]))
+    spec = eagle3.load(target_dir, str(out / "head"))
+    assert spec.draft.config.norm_before_fc and spec.draft.input_norm is not None
+    assert torch.equal(spec.draft.input_norm.weight.float(), state["input_norm.weight"].float())
+    prompt = PROMPTS[0]
+    assert spec.generate(prompt, 12).token_ids == spec.plain().generate(prompt, 12).token_ids
+    with pytest.raises(Eagle3Error, match="norm_before_fc is True.*add --norm-before-fc"):
+        train_draft(args_for(target_dir, data_file, tmp_path / "b", init_from=str(out / "head")))
+    train_draft(args_for(target_dir, data_file, tmp_path / "c", norm_before_fc=True, max_steps=1,
+                         init_from=str(out / "head")))

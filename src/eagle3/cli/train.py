@@ -27,7 +27,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         stop_after=args.stop_after, dtype=args.dtype, max_seq_len=args.max_seq_len,
         max_prompt_len=args.max_prompt_len, autocast=args.autocast, init_from=args.init_from,
         eval_every=args.eval_every, eval_tokens=args.eval_tokens,
-        lm_head_from_target=args.lm_head_from_target, freeze_lm_head=args.freeze_lm_head))
+        lm_head_from_target=args.lm_head_from_target, freeze_lm_head=args.freeze_lm_head,
+        norm_before_fc=args.norm_before_fc))
     if report:
         acc = ", ".join(f"{a:.2f}" for a in report["final_acc_per_step"])
         tau = report.get("simulated_tau")
@@ -44,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train an EAGLE-3 head: the target regenerates responses to the "
                        "prompts (cached), the draft vocabulary is taken from them, and the head is "
                        "trained with training-time test (unrolled draft steps, loss 0.8^i). Saves "
-                       "OUT/head (official), OUT/head-speculators, OUT/report.json and report.png. "
+                       "OUT/head (official; speculators with --norm-before-fc), OUT/head-speculators, "
+                       "OUT/report.json and report.png. "
                        "Data-parallel under torchrun --nproc_per_node N -m eagle3 train-draft ...")
     t.add_argument("--target", required=True,
                    help="the frozen target: checkpoint directory, .gguf file or model name "
@@ -80,6 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "vocabulary and its final norm from the target's (default: random, std 0.02)")
     t.add_argument("--freeze-lm-head", type=int, default=0, metavar="STEPS",
                    help="keep lm_head fixed for the first STEPS steps (its gradient is not computed)")
+    t.add_argument("--norm-before-fc", action="store_true",
+                   help="an RMSNorm over the concatenated taps before fc (as recent speculators heads "
+                        "have; saved as norm_before_fc in the head's config)")
     t.add_argument("--eval-every", type=int, default=200,
                    help="every this many steps (and at the end) log the simulated tau of chains of "
                         "K = 1..6 on held-out samples: the share of rows whose first k drafts are all "

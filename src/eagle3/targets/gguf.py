@@ -93,7 +93,8 @@ def _reader(path: str):
             if raw_type != T.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
             item, n = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-            size = 0 if item[0] == T.STRING else np.dtype(self.gguf_scalar_to_np.get(T(item[0]), np.void)).itemsize
+            number = self.gguf_scalar_to_np.get(T(item[0]))
+            size = np.dtype(number).itemsize if number is not None else 0  # 0: strings, arrays
             if n[0] <= LONG_ARRAY or (item[0] != T.STRING and size == 0):
                 return super()._get_field_parts(orig_offs, raw_type)  # short, or nested arrays
             raw, offs = memoryview(self.data), orig_offs + 12

@@ -77,6 +77,7 @@ class TrainArgs:
     init_from: str | None = None  # start from this head's weights and draft vocabulary (new schedule)
     lm_head_from_target: bool = False  # lm_head rows and final norm from the target's own readout
     freeze_lm_head: int = 0  # keep lm_head fixed for this many first steps (no gradient computed)
+    norm_before_fc: bool = False  # an RMSNorm over the concatenated taps before fc
     eval_every: int = 200  # steps between simulated-tau measurements on held-out samples (0: off)
     eval_tokens: int = 20000  # response tokens held out for them (whole samples, <= 1/10 of them)
     progress: bool = True
@@ -92,9 +93,9 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def head_config(tc, draft_vocab: int, taps) -> DraftConfig:
+def head_config(tc, draft_vocab: int, taps, norm_before_fc: bool = False) -> DraftConfig:
     """The config of a head this training writes for target config `tc`: one layer shaped like
-    the target's."""
+    the target's (`norm_before_fc`: with an RMSNorm over the concatenated taps before `fc`)."""
     heads = getattr(tc, "num_attention_heads", max(1, tc.hidden_size // 64))
     rope = tc.layer_rope[-1] if getattr(tc, "layer_rope", None) else RopeConfig()
     return DraftConfig(hidden_size=tc.hidden_size, intermediate_size=getattr(tc, "intermediate_size",
@@ -104,13 +105,14 @@ def head_config(tc, draft_vocab: int, taps) -> DraftConfig:
                        draft_vocab_size=draft_vocab, target_hidden_size=tc.hidden_size,
                        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope=RopeConfig(theta=rope.theta),
                        max_position_embeddings=getattr(tc, "max_position_embeddings", tc.max_seq_len),
-                       taps=tuple(taps))
+                       taps=tuple(taps), norm_before_fc=norm_before_fc)
 
 
-def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, taps, seed: int) -> Eagle3Draft:
-    """A fresh head shaped like one target layer, initialised as HF Llama does (std 0.02)."""
+def new_head(target, ids: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, taps, seed: int,
+             norm_before_fc: bool = False) -> Eagle3Draft:
+    """A fresh head shaped like one target layer, initialised as HF Llama does (std 0.02; norms 1)."""
     tc = target.config
-    cfg = head_config(tc, ids.numel(), taps)
+    cfg = head_config(tc, ids.numel(), taps, norm_before_fc)
     torch.manual_seed(seed)
     head = Eagle3Draft(cfg, max_len=tc.max_seq_len, with_embedding=False)
     with torch.no_grad():
@@ -383,9 +385,10 @@ def train_draft(args: TrainArgs) -> dict:
     if args.taps:
         target.tap_layers = args.taps
     taps = tuple(target.tap_layers)
-    init = read_init(args.init_from, target.config, args.draft_vocab, taps) if args.init_from else None
+    init = (read_init(args.init_from, target.config, args.draft_vocab, taps, args.norm_before_fc)
+            if args.init_from else None)
     samples, ids, d2t, t2d, key = prepare(args, target, rank)
-    head = new_head(target, ids, d2t, t2d, taps, args.seed)
+    head = new_head(target, ids, d2t, t2d, taps, args.seed, args.norm_before_fc)
     if args.lm_head_from_target:
         readout_from_target(head, target, ids)
     if init is not None:
@@ -485,22 +488,23 @@ def train_draft(args: TrainArgs) -> dict:
     return report
 
 
-def read_init(path: str, tc, draft_vocab: int, taps) -> Eagle3Draft:
+def read_init(path: str, tc, draft_vocab: int, taps, norm_before_fc: bool = False) -> Eagle3Draft:
     """The head `--init-from` names, read and checked against the head this run would build
-    (target config `tc`, `--draft-vocab`, taps) before anything long runs."""
+    (target config `tc`, `--draft-vocab`, taps, `--norm-before-fc`) before anything long runs."""
     from ..draft.formats import load_head
 
     try:
         _, old = load_head(path)
     except Eagle3Error as e:
         raise Eagle3Error(f"--init-from: {e}") from None
-    want, o = head_config(tc, draft_vocab, taps), old.config
+    want, o = head_config(tc, draft_vocab, taps, norm_before_fc), old.config
     for name in ("draft_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size", "taps",
                  "norm_before_fc"):
         if getattr(o, name) != getattr(want, name):
             fix = (f"pass --draft-vocab {o.draft_vocab_size}" if name == "draft_vocab_size" else
-                   "pass a head this training wrote for this target")
+                   ("add" if o.norm_before_fc else "drop") + " --norm-before-fc" if name == "norm_before_fc"
+                   else "pass a head this training wrote for this target")
             raise Eagle3Error(f"--init-from {path}: its {name} is {getattr(o, name)}, this run's is "
                               f"{getattr(want, name)}; {fix}, or drop --init-from")
     return old
@@ -586,8 +590,10 @@ def held_out_tau(head: Eagle3Draft, target, samples: list[Sample], held: list[in
 
 def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tensor,
            samples: list[Sample], out: Path, held: list[int] = ()) -> dict:
-    """Save the head (official + speculators), the report JSON and the PNG curves."""
-    for name, fmt in (("head", "official"), ("head-speculators", "speculators")):
+    """Save the head (OUT/head official, or speculators where only that format can express it:
+    norm_before_fc; OUT/head-speculators), the report JSON and the PNG curves."""
+    own = "speculators" if head.config.norm_before_fc or head.config.norm_before_residual else "official"
+    for name, fmt in (("head", own), ("head-speculators", "speculators")):
         with atomic_dir(out / name) as tmp:  # a head directory is whole or absent
             save_head(head, tmp, fmt)
     tail = log[-min(len(log), 20):]
