@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eagle3.draft.formats import read_head, write_head  # noqa: E402
+from eagle3.draft.formats import native_format, read_head, write_head  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 CAMPAIGN = ROOT / "models" / "default" / "campaign"
@@ -281,7 +281,7 @@ def train(args, cooldown: bool) -> None:
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         tmp = CAMPAIGN / "head.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_head(str(tmp), cfg, state, "speculators" if cfg.norm_before_fc else "official")
+        write_head(str(tmp), cfg, state, native_format(cfg))
         shutil.rmtree(CAMPAIGN / "head", ignore_errors=True)
         tmp.rename(CAMPAIGN / "head")
     log(entry)

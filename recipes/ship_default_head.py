@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eagle3.draft.formats import read_head, write_head  # noqa: E402
+from eagle3.draft.formats import native_format, read_head, write_head  # noqa: E402
 from eagle3.train.data import load_regenerated  # noqa: E402
 
 
@@ -104,7 +104,7 @@ def main() -> int:
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
     if out.exists():
         shutil.rmtree(out)
-    write_head(str(out), cfg, state, "official")
+    write_head(str(out), cfg, state, native_format(cfg))
     shutil.copy(run / "report.png", out / "training_report.png")
     report = json.loads((run / "report.json").read_text())
     samples = load_regenerated(str(run / "data"))

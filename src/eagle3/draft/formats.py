@@ -310,7 +310,7 @@ def head_config_dict(dcfg: DraftConfig, fmt: str) -> dict[str, Any]:
             if k in dcfg.extra:
                 c[k] = dcfg.extra[k]
         return c
-    if dcfg.norm_before_residual or dcfg.norm_before_fc:
+    if native_format(dcfg) != "official":
         raise Eagle3Error(f"this head uses norm_before_residual/norm_before_fc, which the {fmt} "
                           "format cannot express (other runtimes would load it wrong); convert "
                           "to speculators instead")
@@ -339,6 +339,12 @@ def head_tensors(dcfg: DraftConfig, state: dict[str, torch.Tensor], fmt: str) ->
             k = "layers.0." + k[len("midlayer."):]
         out[k] = v.contiguous()
     return out
+
+
+def native_format(dcfg: DraftConfig) -> str:
+    """The format a head trained here is written in: official, unless it needs what only the
+    speculators format can express (norm_before_fc / norm_before_residual)."""
+    return "speculators" if dcfg.norm_before_fc or dcfg.norm_before_residual else "official"
 
 
 def write_head(path: str, dcfg: DraftConfig, state: dict[str, torch.Tensor], fmt: str) -> None:

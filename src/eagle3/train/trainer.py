@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..draft import attach_head
-from ..draft.formats import save_head
+from ..draft.formats import native_format, save_head
 from ..draft.model import DraftConfig, Eagle3Draft
 from ..errors import Eagle3Error, notice
 from ..files import atomic_dir, atomic_write, check_writable, fsync_file, write_error
@@ -592,8 +592,7 @@ def finish(head: Eagle3Draft, args: TrainArgs, log: list[dict], ids: torch.Tenso
            samples: list[Sample], out: Path, held: list[int] = ()) -> dict:
     """Save the head (OUT/head official, or speculators where only that format can express it:
     norm_before_fc; OUT/head-speculators), the report JSON and the PNG curves."""
-    own = "speculators" if head.config.norm_before_fc or head.config.norm_before_residual else "official"
-    for name, fmt in (("head", own), ("head-speculators", "speculators")):
+    for name, fmt in (("head", native_format(head.config)), ("head-speculators", "speculators")):
         with atomic_dir(out / name) as tmp:  # a head directory is whole or absent
             save_head(head, tmp, fmt)
     tail = log[-min(len(log), 20):]
