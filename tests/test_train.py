@@ -84,7 +84,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
     feature s, RoPE position s); then chain step i writes slot t+i with token
     x_{t+1+i} and the previous step's feature. Also the loss is rebuilt from
     those logits: step i of row t predicts x_{t+2+i} against the target's
-    distribution after x_{t+1+i}, weighted 0.8^i * mask[t+2+i].
+    distribution after x_{t+1+i}, weighted 0.8^i * mask[t+2+i]; and its gradient.
     """
     target = load_target(target_dir)
     g = torch.Generator().manual_seed(1)
@@ -96,23 +96,30 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
         for p in head.parameters():
             p.mul_(10.0 if p.dim() >= 2 else 1.0)
     attach_head(head, target)
+    params = [p.requires_grad_(True) for n, p in head.named_parameters() if not n.startswith("embed")]
     assert head.config.num_key_value_heads < head.config.num_attention_heads  # GQA paths agree too
     B, T, steps = 2, 12, 4
     tokens = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) < 0.7
+    mask[0, :7] = False  # a prompt: its rows feed the chains and predict nothing that counts
     tlogits, taps = target_forward(target, tokens)
-    with torch.no_grad():
-        loss, correct, counted, logits = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps,
-                                                  return_logits=True)
-        assert logits.shape == (steps, B, T - 1, 100)
+    loss, correct, counted, logits = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps,
+                                              return_logits=True)
+    assert logits.shape == (steps, B, T - 1, 100)
+    got_grad = torch.autograd.grad(loss, params)
+    norm = float(mask[:, 2:].sum())
+
+    @torch.no_grad()
+    def by_inference(check: bool = False):
+        """The loss (and hard loss) rebuilt from the head run as inference runs it."""
         feats = head.fuse(taps)
         expect_loss, expect_correct, expect_counted = 0.0, torch.zeros(steps), torch.zeros(steps)
         expect_hard, outside = 0.0, 0
         for b in range(B):
             for t in range(T - 1):
                 cache = head.new_cache(1, T + steps)
-                out, h = head(tokens[b:b + 1, 1:t + 2], feats[b:b + 1, :t + 1], torch.arange(t + 1), cache,
-                              kv_len=t + 1)
+                out, h = head(tokens[b:b + 1, 1:t + 2], feats[b:b + 1, :t + 1], torch.arange(t + 1),
+                              cache, kv_len=t + 1)
                 step_logits = out[0, -1]
                 for i in range(steps):
                     if i > 0:
@@ -121,11 +128,12 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
                         out, h = head(tokens[b:b + 1, t + 1 + i:t + 2 + i], h[:, -1:], torch.tensor([t + i]),
                                       cache, kv_len=t + i + 1)
                         step_logits = out[0, -1]
-                    torch.testing.assert_close(logits[i, b, t], step_logits, atol=2e-5, rtol=1e-5,
-                                               msg=f"row {t} step {i} differs from inference")
+                    if check:
+                        torch.testing.assert_close(logits[i, b, t], step_logits, atol=2e-5, rtol=1e-5,
+                                                   msg=f"row {t} step {i} differs from inference")
                     if t + 2 + i < T and mask[b, t + 2 + i]:
-                        p = torch.softmax(tlogits[b, t + 1 + i, ids], -1)
-                        logq = torch.log_softmax(step_logits, -1)
+                        p = torch.softmax(tlogits[b, t + 1 + i, ids].double(), -1)
+                        logq = torch.log_softmax(step_logits.double(), -1)
                         expect_loss += 0.8 ** i * float(-(p * logq).sum())
                         nxt = int(tokens[b, t + 2 + i])  # --hard-loss's label: the next token itself
                         if t2d[nxt]:
@@ -134,13 +142,41 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
                             outside += 1
                         expect_correct[i] += float(logq.argmax() == p.argmax())
                         expect_counted[i] += 1
-    norm = float(mask[:, 2:].sum())
-    assert float(loss) == pytest.approx(expect_loss / norm, rel=1e-5)
-    assert torch.equal(counted, expect_counted) and torch.equal(correct, expect_correct)
+        return expect_loss / norm, expect_hard / norm, expect_correct, expect_counted, outside
+
+    expect_loss, expect_hard, expect_correct, expect_counted, outside = by_inference(check=True)
     assert outside > 0
+    assert float(loss) == pytest.approx(expect_loss, rel=1e-5)
+    assert torch.equal(counted, expect_counted) and torch.equal(correct, expect_correct)
     with torch.no_grad():
         mixed = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps, hard=0.25)[0]
-    assert float(mixed) == pytest.approx((0.75 * expect_loss + 0.25 * expect_hard) / norm, rel=1e-5)
+    assert float(mixed) == pytest.approx(0.75 * expect_loss + 0.25 * expect_hard, rel=1e-5)
+    # The gradient, along one random direction per parameter, against central differences of
+    # the loss inference gives.
+    names = [n for n, _ in head.named_parameters() if not n.startswith("embed")]
+    for name, p, grad in zip(names, params, got_grad):
+        u = torch.randn(p.shape, generator=g)
+        u *= 1e-3 * p.detach().norm() / u.norm()
+        with torch.no_grad():
+            p += u
+            up = by_inference()[0]
+            p -= 2 * u
+            down = by_inference()[0]
+            p += u
+        assert float((grad * u).sum()) == pytest.approx((up - down) / 2, rel=2e-2, abs=1e-7), name
+
+
+def test_target_forward_over_the_draft_vocabulary_equals_the_full_logits_columns(target_dir):
+    """The training loss reads the target's logits over the draft vocabulary only; projecting
+    onto those output rows alone gives the full projection's columns, and the same taps."""
+    target = load_target(target_dir)
+    ids = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(2))[:100]).values
+    tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    full, taps = target_forward(target, tokens)
+    part, part_taps = target_forward(target, tokens, ids)
+    assert part.shape == (2, 9, 100) and part.dtype == torch.float32
+    torch.testing.assert_close(part, full[..., ids], atol=1e-5, rtol=1e-5)
+    assert torch.equal(part_taps, taps)
 
 
 def test_one_step_lowers_the_loss(target_dir, data_file, tmp_path):

@@ -170,6 +170,10 @@ class Eagle3Draft(nn.Module):
             taps = self.input_norm(taps)
         return self.fc(taps)
 
+    def vocab_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, in draft-id order: (draft_vocab,)."""
+        return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids through the d2t offset table."""
         return draft_ids + self.d2t[draft_ids]

@@ -153,8 +153,7 @@ class FeatureStore:
         for s in tqdm(range(0, len(samples), batch), desc="caching target features", disable=not progress):
             chunk = samples[s:s + batch]
             tokens, _ = collate(chunk)
-            logits, taps = target_forward(target, tokens)
-            logits = logits[..., ids]  # (B, T, dv)
+            logits, taps = target_forward(target, tokens, ids)  # (B, T, dv), (B, T, n*Ht)
             if self.topk:
                 top = logits.topk(self.topk, dim=-1)
             for j, smp in enumerate(chunk):
@@ -267,12 +266,30 @@ def output_bytes(tc, draft_vocab: int) -> int:
 
 
 @torch.no_grad()
-def target_forward(target, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target over `tokens` (B, T) from a fresh cache: (logits, taps), float32."""
+def target_forward(target, tokens: torch.Tensor, ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target over `tokens` (B, T) from a fresh cache: (logits, taps), float32.
+
+    With the draft vocabulary `ids` (dv,), the logits are (B, T, dv), that vocabulary's alone:
+    a native float target then projects its final state onto those output rows only (the loss
+    reads nothing else; the whole vocabulary's projection and its float32 copy were a fifth of
+    a training step), any other target projects all rows and the columns are picked after."""
     B, T = tokens.shape
     cache = target.new_cache(B, T)
-    logits, taps = target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T)
-    return logits.float(), taps.float()
+    lm = getattr(target, "lm_head", None)
+    L = target.config.num_hidden_layers
+    if ids is None or not isinstance(lm, torch.nn.Linear) or L in target.tap_layers:
+        logits, taps = target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T)
+        return (logits if ids is None else logits[..., ids]).float(), taps.float()
+    # Tap L is the final normed state; the last position's logits are the only ones computed.
+    _, taps = target.forward_logits_taps(tokens, torch.arange(T), cache, kv_len=T, last_only=True,
+                                         taps=(*target.tap_layers, L))
+    H = target.config.hidden_size
+    logits = torch.nn.functional.linear(taps[..., -H:], lm.weight[ids]).float()  # (B, T, dv)
+    if target.config.final_softcap:
+        cap = target.config.final_softcap
+        logits = torch.tanh(logits / cap) * cap
+    return logits, taps[..., :-H].float()
 
 
 def epoch_batches(lengths: list[int], batch: int, steps: int, seed: int) -> list[list[int]]:
@@ -349,9 +366,29 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
     return samples, ids, d2t, t2d, key
 
 
+def reuse_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the system.
+
+    A training step allocates and frees dozens of (rows, draft vocabulary) float32 tensors of
+    ~40 MB; above glibc's default limit (32 MB) each one is a fresh mapping whose pages fault in
+    on first touch, which made the loss's elementwise work ~2.5x slower
+    (recipes/train_step_profile.py). Costs resident memory, so only training asks for it.
+    False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
 def train_draft(args: TrainArgs) -> dict:
     """Run the whole pipeline; returns the final report (also written to OUT/report.json)."""
     from tqdm import tqdm
+
+    reuse_freed_memory()
 
     rank, world = _dist()
     out = Path(args.out)
@@ -397,6 +434,7 @@ def train_draft(args: TrainArgs) -> dict:
     if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
         head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
     attach_head(head, target)
+    vocab = head.vocab_ids()  # (dv,): the target's output rows the loss reads
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in head.embed_tokens.parameters():
         p.requires_grad_(False)
@@ -439,7 +477,7 @@ def train_draft(args: TrainArgs) -> dict:
         batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
         tokens, mask = collate([samples[i] for i in batch_idx])
         if store is None:
-            tlogits, ttaps = target_forward(target, tokens)
+            tlogits, ttaps = target_forward(target, tokens, vocab)  # logits over the draft vocab
         else:
             ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
         # One normaliser for the global batch, so data-parallel ranks add up exactly.
@@ -582,7 +620,8 @@ def held_out_tau(head: Eagle3Draft, target, samples: list[Sample], held: list[in
     for i in range(0, len(held), batch):
         idx = held[i:i + batch]
         tokens, mask = collate([samples[j] for j in idx])
-        taps = target_forward(target, tokens)[1] if store is None else store.get(idx, tokens.shape[1])[0]
+        taps = (target_forward(target, tokens, head.vocab_ids())[1] if store is None
+                else store.get(idx, tokens.shape[1])[0])
         h, r = chain_hits(head, tokens, mask, taps.float(), SIM_MAX_K)
         hits, rows = hits + h, rows + r
     return simulated_tau(hits, rows)
