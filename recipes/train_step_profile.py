@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from eagle3.draft import attach_head  # noqa: E402
 from eagle3.draft.formats import load_head  # noqa: E402
 from eagle3.targets import load_target  # noqa: E402
 from eagle3.train.data import collate, load_regenerated  # noqa: E402
-from eagle3.train.trainer import epoch_batches, reuse_freed_memory, target_forward  # noqa: E402
+from eagle3.train.trainer import epoch_batches, target_forward  # noqa: E402
 from eagle3.train.ttt import ttt_loss  # noqa: E402
 
 CAMPAIGN = ROOT / "models" / "default" / "campaign"
@@ -34,11 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="batches timed (after one warm-up batch)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="also write the numbers here")
-    ap.add_argument("--no-reuse-memory", action="store_true",
-                    help="leave glibc's malloc as it is (the trainer's `reuse_freed_memory` off)")
     args = ap.parse_args()
-    if not args.no_reuse_memory:
-        reuse_freed_memory()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     target = load_target("smollm2-135m-instruct", dtype="bfloat16", max_seq_len=448)
@@ -79,7 +76,7 @@ def main() -> None:
            "step_s": round(step_s, 3),
            "parts_s": {k: round(v / args.steps, 3) for k, v in parts.items()},
            "loss_tokens_per_s": round(tokens_total / sum(parts.values()), 1),
-           "reuse_freed_memory": not args.no_reuse_memory,
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
            "rows_with_loss_share_per_ttt_step": [round(x, 3) for x in (loss_share / args.steps).tolist()]}
     print(json.dumps(out, indent=1))
     if args.json:

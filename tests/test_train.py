@@ -28,6 +28,7 @@ from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
 from eagle3.draft import attach_head
 from eagle3.targets import load_target
 from eagle3.tokenizer import load_tokenizer
+from eagle3.train import ttt
 from eagle3.train.data import collate, load_regenerated
 from eagle3.train.trainer import TrainArgs, new_head, prepare, target_forward, train_draft
 from eagle3.train.ttt import ttt_loss
@@ -77,15 +78,19 @@ def ckpt_head(out) -> dict[str, torch.Tensor]:
 
 
 # -- TTT agrees with inference -----------------------------------------------------------------
-def test_ttt_logits_and_loss_match_the_chain_runner(target_dir):
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monkeypatch):
     """Step i of row t in ttt_loss == the head run with a KV cache as the chain runner runs it.
 
     Inference: draft slots 0..t are teacher-forced (slot s: token x_{s+1}, target
     feature s, RoPE position s); then chain step i writes slot t+i with token
     x_{t+1+i} and the previous step's feature. Also the loss is rebuilt from
     those logits: step i of row t predicts x_{t+2+i} against the target's
-    distribution after x_{t+1+i}, weighted 0.8^i * mask[t+2+i]; and its gradient.
+    distribution after x_{t+1+i}, weighted 0.8^i * mask[t+2+i]; and its gradient. With
+    `chunk_rows` the loss runs over the rows in chunks of 3 (the real size holds this batch whole).
     """
+    if chunk_rows:
+        monkeypatch.setattr(ttt, "LOSS_CHUNK_ROWS", chunk_rows)
     target = load_target(target_dir)
     g = torch.Generator().manual_seed(1)
     ids = torch.sort(torch.randperm(V, generator=g)[:100]).values

@@ -366,29 +366,9 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
     return samples, ids, d2t, t2d, key
 
 
-def reuse_freed_memory() -> bool:
-    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the system.
-
-    A training step allocates and frees dozens of (rows, draft vocabulary) float32 tensors of
-    ~40 MB; above glibc's default limit (32 MB) each one is a fresh mapping whose pages fault in
-    on first touch, which made the loss's elementwise work ~2.5x slower
-    (recipes/train_step_profile.py). Costs resident memory, so only training asks for it.
-    False where the C library is not glibc."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 30) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
-
-
 def train_draft(args: TrainArgs) -> dict:
     """Run the whole pipeline; returns the final report (also written to OUT/report.json)."""
     from tqdm import tqdm
-
-    reuse_freed_memory()
 
     rank, world = _dist()
     out = Path(args.out)
