@@ -112,6 +112,8 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monk
                                               return_logits=True)
     assert logits.shape == (steps, B, T - 1, 100)
     got_grad = torch.autograd.grad(loss, params)
+    drafts = ttt.ttt_drafts(head, tokens, taps, steps)  # (steps, B, T-1)
+    assert drafts.shape == (steps, B, T - 1)
     norm = float(mask[:, 2:].sum())
 
     @torch.no_grad()
@@ -136,6 +138,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monk
                     if check:
                         torch.testing.assert_close(logits[i, b, t], step_logits, atol=2e-5, rtol=1e-5,
                                                    msg=f"row {t} step {i} differs from inference")
+                        assert int(drafts[i, b, t]) == int(step_logits.argmax())  # simulated tau's drafts
                     if t + 2 + i < T and mask[b, t + 2 + i]:
                         p = torch.softmax(tlogits[b, t + 1 + i, ids].double(), -1)
                         logq = torch.log_softmax(step_logits.double(), -1)

@@ -1,7 +1,7 @@
 """Simulated acceptance: what greedy chains of K drafts would accept, from the head's
 training-time-test unroll on held-out sequences, without decoding.
 
-Under TTT (`ttt.ttt_loss`) step i of row t reads x_{t+1+i}, the token the sequence holds;
+Under TTT (`ttt.unroll`) step i of row t reads x_{t+1+i}, the token the sequence holds;
 at inference it reads the head's own previous draft. The two are the same while every
 earlier draft was right, the only case in which acceptance depends on step i. So on text
 the target itself produced greedily (regenerated data), the share of rows whose first k
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..draft.model import Eagle3Draft
-from .ttt import ttt_loss
+from .ttt import ttt_drafts
 
 
 @torch.no_grad()
@@ -26,10 +26,7 @@ def chain_runs(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps
     target's, over `tokens`."""
     B, T = tokens.shape
     R = T - 1
-    # The loss needs a target distribution; its value is not used here (a free broadcast view).
-    flat = taps.new_zeros(1, 1, 1).expand(B, T, head.config.draft_vocab_size)
-    _, _, _, logits = ttt_loss(head, tokens, mask, taps, flat, steps=max_k, return_logits=True)
-    drafts = head.to_target_ids(logits.argmax(-1))  # (K, B, R): step i of row t drafts x_{t+2+i}
+    drafts = head.to_target_ids(ttt_drafts(head, tokens, taps, max_k))  # (K, B, R): x_{t+2+i}
     t = torch.arange(R, device=tokens.device)
     runs = torch.zeros(B, R, dtype=torch.long, device=tokens.device)
     room = torch.zeros_like(runs)

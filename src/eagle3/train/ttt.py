@@ -17,6 +17,8 @@ teaches the head the target's distribution).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,61 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
+def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: int
+           ) -> Iterator[torch.Tensor]:
+    """The head's features h of TTT steps 0..steps-1, (B, T-1, H) each, every row at once.
+
+    tokens (B, T), taps (B, T, 3Ht) from the frozen target. Row t of step i is the chain from
+    draft slot t after i steps (see the module docstring); the caller reads each step's logits
+    from h, on the rows it needs."""
+    B, T = tokens.shape
+    R = T - 1  # rows: slot t pairs token t+1 with feature t
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
+    causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
+    scale = hd ** -0.5
+    g = head.fuse(taps[:, :R])  # (B, R, H)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i in range(steps):
+        step_tokens = _shift(tokens[:, 1:], i)  # (B, R): x_{t+1+i}
+        pos = torch.arange(R, device=tokens.device) + i
+        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
+        a, residual = layer.mix(head.embed_tokens(step_tokens), g)
+        q = attn.q_proj(a).view(B, R, nh, hd).transpose(1, 2)
+        k = attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2)
+        v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, R, hd)
+        keys.append(k)
+        values.append(v)
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, R, R): teacher-forced prefix
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # own chain, (B, nh, R, 1)
+        w = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
+        out = w[..., :R] @ values[0]
+        for j, vj in enumerate(values[1:]):
+            out = out + w[..., R + j:R + j + 1] * vj
+        out = out.transpose(1, 2).reshape(B, R, nh * hd)
+        g = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
+        yield g
+
+
+@torch.no_grad()
+def ttt_drafts(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: int) -> torch.Tensor:
+    """The head's greedy draft (a draft-vocabulary id) of every row at every TTT step:
+    (steps, B, T-1); [i, b, t] is step i of row t. The logits are read in chunks of rows and
+    never kept whole (at 6 steps of a batch of 8 they would be ~700 MB)."""
+    B, R = tokens.shape[0], tokens.shape[1] - 1
+    out = []
+    for h in unroll(head, tokens, taps, steps):
+        rows = h.reshape(B * R, -1)
+        out.append(torch.cat([head.lm_head(head.norm(c)).max(-1).indices
+                              for c in rows.split(LOSS_CHUNK_ROWS)]).view(B, R))
+    return torch.stack(out)
+
+
 def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: torch.Tensor,
              target_logits: torch.Tensor, steps: int = 7, decay: float = 0.8,
              norm: float | None = None, return_logits: bool = False,
@@ -49,9 +106,7 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     step, (steps, B, T-1, draft_vocab): [i, b, t] is step i of row t.
     """
     B, T = tokens.shape
-    R = T - 1  # rows: slot t pairs token t+1 with feature t
-    layer, attn = head.midlayer, head.midlayer.self_attn
-    nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
+    R = T - 1
     ids = head.vocab_ids()  # (dv,)
     if target_logits.shape[-1] != head.config.draft_vocab_size:
         target_logits = target_logits[..., ids]
@@ -64,40 +119,13 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     # Every (row b, slot t) of the batch, flattened: (B*R,) each.
     b_idx, t_idx = [x.reshape(-1) for x in torch.meshgrid(
         torch.arange(B, device=tokens.device), torch.arange(R, device=tokens.device), indexing="ij")]
-    causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
-
-    g = head.fuse(taps[:, :R])  # (B, R, H)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
     total = tokens.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(steps)
     counted = torch.zeros(steps)
     all_logits = []
     if norm is None:
         norm = float(mask[:, 2:].sum().clamp_min(1))
-    for i in range(steps):
-        step_tokens = _shift(tokens[:, 1:], i)  # (B, R): x_{t+1+i}
-        pos = torch.arange(R, device=tokens.device) + i
-        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
-        a, residual = layer.mix(head.embed_tokens(step_tokens), g)
-        q = attn.q_proj(a).view(B, R, nh, hd).transpose(1, 2)
-        k = attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2)
-        v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, R, hd)
-        keys.append(k)
-        values.append(v)
-        scale = hd ** -0.5
-        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, R, R): teacher-forced prefix
-        s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # own chain, (B, nh, R, 1)
-        w = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
-        out = w[..., :R] @ values[0]
-        for j, vj in enumerate(values[1:]):
-            out = out + w[..., R + j:R + j + 1] * vj
-        out = out.transpose(1, 2).reshape(B, R, nh * hd)
-        h = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
+    for i, h in enumerate(unroll(head, tokens, taps, steps)):
         # Rows whose prediction carries loss: logits only there (prompt rows feed the chain but
         # predict nothing worth learning), the lm_head being most of a step's work.
         rows = (t_idx + 2 + i < T) & mask[b_idx, (t_idx + 2 + i).clamp_max(T - 1)]  # (B*R,)
@@ -122,7 +150,6 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             with torch.no_grad():
                 correct[i] += (logits.max(-1).indices == target_top[cb, ct + 1 + i]).sum()
         counted[i] = rows.sum()
-        g = h
     if return_logits:
         return total, correct, counted, torch.stack(all_logits)
     return total, correct, counted
