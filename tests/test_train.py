@@ -90,7 +90,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monk
     `chunk_rows` the loss runs over the rows in chunks of 3 (the real size holds this batch whole).
     """
     if chunk_rows:
-        monkeypatch.setattr(ttt, "LOSS_CHUNK_ROWS", chunk_rows)
+        monkeypatch.setattr(ttt, "CHUNK_ROWS", chunk_rows)
     target = load_target(target_dir)
     g = torch.Generator().manual_seed(1)
     ids = torch.sort(torch.randperm(V, generator=g)[:100]).values

@@ -414,7 +414,6 @@ def train_draft(args: TrainArgs) -> dict:
     if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
         head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
     attach_head(head, target)
-    vocab = head.vocab_ids()  # (dv,): the target's output rows the loss reads
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in head.embed_tokens.parameters():
         p.requires_grad_(False)
@@ -457,7 +456,7 @@ def train_draft(args: TrainArgs) -> dict:
         batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
         tokens, mask = collate([samples[i] for i in batch_idx])
         if store is None:
-            tlogits, ttaps = target_forward(target, tokens, vocab)  # logits over the draft vocab
+            tlogits, ttaps = target_forward(target, tokens, ids)  # logits over the draft vocab
         else:
             ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
         # One normaliser for the global batch, so data-parallel ranks add up exactly.
@@ -538,7 +537,7 @@ def start_from(head: Eagle3Draft, old: Eagle3Draft) -> torch.Tensor:
     if odd:
         raise Eagle3Error(f"--init-from: the head's tensor {odd[0]} does not fit this run's head; "
                           "pass a head this training wrote for this target, or drop --init-from")
-    return torch.arange(head.config.draft_vocab_size) + head.d2t
+    return head.vocab_ids()
 
 
 def load_checkpoint(path: Path) -> dict:

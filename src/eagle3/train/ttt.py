@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..draft.model import Eagle3Draft
 from ..targets.decoder import rotate_half
 
-LOSS_CHUNK_ROWS = 256  # 8 MB of float32 logits at a draft vocabulary of 8,192
+CHUNK_ROWS = 256  # rows per logits chunk (loss, drafts): 8 MB of float32 at 8,192 draft ids
 
 
 def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
@@ -87,7 +87,7 @@ def ttt_drafts(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, step
     for h in unroll(head, tokens, taps, steps):
         rows = h.reshape(B * R, -1)
         out.append(torch.cat([head.lm_head(head.norm(c)).max(-1).indices
-                              for c in rows.split(LOSS_CHUNK_ROWS)]).view(B, R))
+                              for c in rows.split(CHUNK_ROWS)]).view(B, R))
     return torch.stack(out)
 
 
@@ -136,7 +136,7 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
         # In chunks of rows, so that no (rows, dv) float32 temporary outgrows glibc's mmap
         # threshold (32 MB at most): a larger one is a fresh mapping each time, its pages
         # faulting in on first touch, which made the loss ~2.5x slower than on reused memory.
-        for c in torch.split(torch.arange(bi.numel(), device=tokens.device), LOSS_CHUNK_ROWS):
+        for c in torch.split(torch.arange(bi.numel(), device=tokens.device), CHUNK_ROWS):
             cb, ct = bi[c], ti[c]
             logits = full[cb, ct] if return_logits else head.lm_head(head.norm(h[cb, ct]))  # (c, dv)
             # Soft cross-entropy to the target's distribution at position t+1+i.
