@@ -326,7 +326,10 @@ def curve(args) -> None:
             start, run = main, key
         # a resumed run's steps count from its start; a cool-down branches off the main run's head
         passes = (start if e["stage"] == "train" else main) + e["token_passes"]
-        unique = sum(seen) + sum(resp[:min(e["prompts"], new_prompts)])
+        # the first head's turns count once, whether or not a stage trained on them; the `long`
+        # source comes after them
+        unique = (sum(seen) + sum(resp[:min(e["prompts"], new_prompts)])
+                  + sum(resp[new_prompts + SHIPPED_FIRST_TURNS:e["prompts"]]))
         points.append({"stage": e["stage"], "date": e["date"], "passes": passes, "unique": unique,
                        "tau": e["heldout_sharegpt_simulated_tau"],
                        "tau_humaneval": e.get("heldout_humaneval_simulated_tau")})
