@@ -8,15 +8,16 @@ what the repository holds (models/default/campaign/).
     python recipes/campaign.py curve                   # the held-out simulated tau along the way
 
 Data: every user turn of the ShareGPT training split (the conversation up to that turn, with
-ShareGPT's own earlier replies, chat-templated, at most 448 tokens) and 3,000 code-completion
+ShareGPT's own earlier replies, chat-templated, at most 1,024 tokens) and 3,000 code-completion
 prompts in HumanEval's shape (a Python standard-library function's signature and docstring;
 CAMPAIGN/code_prompts.jsonl), each answered by the target itself (greedy, bf16, up to 160
 tokens) in chunks of 256 prompts. The order is fixed: a seeded shuffle of the ShareGPT turns of
 at most 256 tokens the first default head never trained on, the code prompts, the first turns
 it did train on (the 4,608 of `recipes/smollm2_head_stage2.sh`), then a seeded shuffle of the
-turns of 257-448 tokens (longer contexts: a dearer training step), so every chunk regenerated
-adds data the head has not seen. Finished chunks are committed (int32 ids, ~0.3 MB each) under
-CAMPAIGN/data; the target's features are captured again on each machine (out/, not committed).
+turns of 257-448 tokens and one of the turns of 449-1,024 (longer contexts: a dearer training
+step), so every chunk regenerated adds data the head has not seen. Finished chunks are
+committed (int32 ids, ~0.3 MB each) under CAMPAIGN/data; the target's features are captured
+again on each machine (out/, not committed).
 
 Training: `eagle3 train-draft --init-from` the campaign's latest head (the shipped default at the
 start) over every regenerated chunk, 4 TTT steps, a constant learning rate
@@ -51,7 +52,8 @@ CAMPAIGN = ROOT / "models" / "default" / "campaign"
 WORK = ROOT / "out" / "campaign"
 SEED, MAX_PROMPT, RESPONSE, CHUNK = 0, 256, 160, 256
 LONG_PROMPT = 448  # the `long` source: turns of MAX_PROMPT+1 .. LONG_PROMPT tokens
-MAX_SEQ = LONG_PROMPT + RESPONSE + 32
+LONGER_PROMPT = 1024  # the `longer` source: turns of LONG_PROMPT+1 .. LONGER_PROMPT tokens
+MAX_SEQ = LONGER_PROMPT + RESPONSE + 32
 SHIPPED_FIRST_TURNS = 4608  # the first default head's data: sharegpt:4608, seed 0
 
 
@@ -110,9 +112,10 @@ def campaign_prompts() -> list[list[int]]:
 
 def prompt_sources() -> dict[str, list[list[int]]]:
     """The campaign's prompts (ids) by source, in order: `fresh` ShareGPT turns, `code`, `seen`
-    (the first default head's first turns) and `long` (ShareGPT turns of MAX_PROMPT+1 ..
-    LONG_PROMPT tokens, added after the first 53 chunks were made: a source only ever goes last,
-    so the chunks before it keep their prompts; the chunk it shares with `seen` is made again)."""
+    (the first default head's first turns), `long` (ShareGPT turns of MAX_PROMPT+1 ..
+    LONG_PROMPT tokens, added after the first 53 chunks were made) and `longer` (LONG_PROMPT+1 ..
+    LONGER_PROMPT tokens, added after 69). A source only ever goes last, so the chunks before it
+    keep their prompts; the one chunk it shares with the source before is made again."""
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
@@ -121,17 +124,20 @@ def prompt_sources() -> dict[str, list[list[int]]]:
     seen = sharegpt_train_prompts(f"sharegpt:{SHIPPED_FIRST_TURNS}", tok, seed=SEED,
                                   max_prompt_len=MAX_PROMPT)
     seen_keys = {tuple(p) for p in seen}
-    fresh, long = [], []
+    fresh, long, longer = [], [], []
     for rec in sharegpt_turns("train", quiet=True):
         ids = tok.apply_chat_template(rec["messages"], f"sharegpt {rec['id']} turn {rec['turn']}")
         if len(ids) <= MAX_PROMPT and tuple(ids) not in seen_keys:
             fresh.append(ids)
         elif MAX_PROMPT < len(ids) <= LONG_PROMPT:
             long.append(ids)
+        elif LONG_PROMPT < len(ids) <= LONGER_PROMPT:
+            longer.append(ids)
     random.Random(SEED + 1).shuffle(fresh)
     random.Random(SEED + 2).shuffle(long)
+    random.Random(SEED + 3).shuffle(longer)
     code = [ids for ids in (tok.encode(p) for p in code_prompts()) if len(ids) <= MAX_PROMPT]
-    return {"fresh": fresh, "code": code, "seen": seen, "long": long}
+    return {"fresh": fresh, "code": code, "seen": seen, "long": long, "longer": longer}
 
 
 def load_target():
@@ -261,7 +267,7 @@ def train(args, cooldown: bool) -> None:
         args.seed = sum(1 for e in read_log() if e["stage"] == "train")
     cmd = [str(ROOT / ".venv/bin/eagle3"), "train-draft", "--target", TARGET, "--data", str(data),
            "--out", str(run), *start, *recipe, "--features", args.features, "--ttt-steps", "4",
-           "--dtype", "bfloat16", "--max-seq-len", str(MAX_SEQ), "--max-prompt-len", str(LONG_PROMPT),
+           "--dtype", "bfloat16", "--max-seq-len", str(MAX_SEQ), "--max-prompt-len", str(LONGER_PROMPT),
            "--response-len", str(RESPONSE), "--batch", "8", "--draft-vocab", "8192",
            "--epochs", "1000", "--max-steps", str(args.steps), "--lr", str(args.lr),
            "--warmup", "20", "--schedule", "linear" if cooldown else "constant", "--autocast",
