@@ -15,7 +15,10 @@ tokens) in chunks of 256 prompts. The order is fixed: a seeded shuffle of the Sh
 at most 256 tokens the first default head never trained on, the code prompts, the first turns
 it did train on (the 4,608 of `recipes/smollm2_head_stage2.sh`), then a seeded shuffle of the
 turns of 257-448 tokens and one of the turns of 449-1,024 (longer contexts: a dearer training
-step), so every chunk regenerated adds data the head has not seen. Finished chunks are
+step), so every chunk regenerated adds data the head has not seen. After the first 70 chunks
+come the `continued` prompts: each answer of the sources up to 448 tokens that was cut off at 160
+tokens, with its prompt, as the prompt for the next 160 (the target's answers up to 320 tokens,
+the later half new; ~5x the tokens per hour of the 449-1,024-token turns, which follow it). Finished chunks are
 committed (int32 ids, ~0.3 MB each) under CAMPAIGN/data; the target's features are captured
 again on each machine (out/, not committed).
 
@@ -54,6 +57,11 @@ SEED, MAX_PROMPT, RESPONSE, CHUNK = 0, 256, 160, 256
 LONG_PROMPT = 448  # the `long` source: turns of MAX_PROMPT+1 .. LONG_PROMPT tokens
 LONGER_PROMPT = 1024  # the `longer` source: turns of LONG_PROMPT+1 .. LONGER_PROMPT tokens
 MAX_SEQ = LONGER_PROMPT + RESPONSE + 32
+# The `continued` source goes on after the first CONTINUE_AFTER chunks: the answers cut off at
+# RESPONSE tokens in the short sources, continued for RESPONSE more (prompt + first answer as the
+# new prompt); the `longer` turns not yet made by then follow it.
+CONTINUE_AFTER = 70
+EOS = (2,)  # SmolLM2's <|im_end|>: an answer that ends with it was not cut off
 SHIPPED_FIRST_TURNS = 4608  # the first default head's data: sharegpt:4608, seed 0
 
 
@@ -104,18 +112,42 @@ def code_prompts() -> list[str]:
 
 
 def campaign_prompts() -> list[list[int]]:
-    """Every training-split user turn's prompt ids in the campaign's fixed order: the fresh
-    ShareGPT turns, then the code prompts, then the first head's first turns. (Chunks are keyed
-    by their prompts: a new source goes after every chunk already made.)"""
-    return [p for source in prompt_sources().values() for p in source]
+    """Every prompt's ids in the campaign's fixed order: the sources of `prompt_sources` one after
+    the other. (Chunks are keyed by their prompts: a new source goes after every chunk already
+    made.) Until the first CONTINUE_AFTER chunks exist, the list stops there: the `continued`
+    source is made from their answers."""
+    sources = prompt_sources()
+    before = [p for name in ("fresh", "code", "seen", "long", "longer") for p in sources[name]]
+    head = before[:CONTINUE_AFTER * CHUNK]
+    if sources["continued"] is None:
+        return head
+    return head + sources["continued"] + before[CONTINUE_AFTER * CHUNK:]
+
+
+def continued_prompts(n_short: int) -> list[list[int]] | None:
+    """The `continued` source: every answer among the first `n_short` prompts (the sources of at
+    most LONG_PROMPT tokens) that was cut off at RESPONSE tokens, as a prompt (its prompt + that
+    answer) for the next RESPONSE tokens, in the campaign's order; None until the first
+    CONTINUE_AFTER chunks exist."""
+    from eagle3.train.data import load_regenerated
+
+    if len(chunk_names()) < CONTINUE_AFTER:
+        return None
+    out = []
+    for s in load_regenerated(str(CAMPAIGN / "data"))[:n_short]:
+        if int(s.mask.sum()) == RESPONSE and int(s.tokens[-1]) not in EOS:
+            out.append(s.tokens.tolist())
+    return out
 
 
 def prompt_sources() -> dict[str, list[list[int]]]:
     """The campaign's prompts (ids) by source, in order: `fresh` ShareGPT turns, `code`, `seen`
     (the first default head's first turns), `long` (ShareGPT turns of MAX_PROMPT+1 ..
-    LONG_PROMPT tokens, added after the first 53 chunks were made) and `longer` (LONG_PROMPT+1 ..
-    LONGER_PROMPT tokens, added after 69). A source only ever goes last, so the chunks before it
-    keep their prompts; the one chunk it shares with the source before is made again."""
+    LONG_PROMPT tokens, added after the first 53 chunks were made), `longer` (LONG_PROMPT+1 ..
+    LONGER_PROMPT tokens, added after 69) and `continued` (see `continued_prompts`; it goes in
+    after the first CONTINUE_AFTER chunks, before the rest of `longer`: 5x more tokens per hour
+    of regeneration). A new source only ever goes after the chunks already made, so they keep
+    their prompts; the one chunk it shares with the source before is made again."""
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
@@ -137,7 +169,9 @@ def prompt_sources() -> dict[str, list[list[int]]]:
     random.Random(SEED + 2).shuffle(long)
     random.Random(SEED + 3).shuffle(longer)
     code = [ids for ids in (tok.encode(p) for p in code_prompts()) if len(ids) <= MAX_PROMPT]
-    return {"fresh": fresh, "code": code, "seen": seen, "long": long, "longer": longer}
+    n_short = len(fresh) + len(code) + len(seen) + len(long)
+    return {"fresh": fresh, "code": code, "seen": seen, "long": long, "longer": longer,
+            "continued": continued_prompts(n_short)}
 
 
 def load_target():
@@ -169,8 +203,12 @@ def regen(args) -> None:
     (CAMPAIGN / "data").mkdir(parents=True, exist_ok=True)
     start = time.time()
     n = len(chunk_names())
-    total = (len(prompts) + CHUNK - 1) // CHUNK
-    while n < total and (time.time() - start) / 60 < args.minutes:
+    while (time.time() - start) / 60 < args.minutes:
+        if n * CHUNK >= len(prompts):  # `continued` exists once the first CONTINUE_AFTER chunks do
+            prompts = campaign_prompts()
+            if n * CHUNK >= len(prompts):
+                break
+        total = (len(prompts) + CHUNK - 1) // CHUNK
         t0 = time.time()
         samples = regenerate(target, prompts[:(n + 1) * CHUNK], response_len=RESPONSE,
                              eos_ids=target.config.eos_token_ids, batch_size=args.batch,
@@ -179,7 +217,7 @@ def regen(args) -> None:
         new = sum(int(s.mask.sum()) for s in samples[(n - 1) * CHUNK:])
         print(f"chunk {n}/{total}: {new} response tokens in {time.time() - t0:.0f} s "
               f"({new / (time.time() - t0):.0f} tok/s)", flush=True)
-    log({"stage": "regen", "chunks": n, "of": total, "minutes": round((time.time() - start) / 60, 1)})
+    log({"stage": "regen", "chunks": n, "of": (len(prompts) + CHUNK - 1) // CHUNK, "minutes": round((time.time() - start) / 60, 1)})
 
 
 def log(entry: dict) -> None:
@@ -309,7 +347,7 @@ def curve(args) -> None:
     from eagle3.train.data import load_regenerated
 
     entries = read_log()
-    src = {k: len(v) for k, v in prompt_sources().items()}
+    src = {k: len(v or []) for k, v in prompt_sources().items()}
     resp = [int(s.mask.sum()) for s in load_regenerated(str(CAMPAIGN / "data"))]
     new_prompts = src["fresh"] + src["code"]
     seen = resp[new_prompts:new_prompts + SHIPPED_FIRST_TURNS]
