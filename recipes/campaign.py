@@ -18,9 +18,9 @@ turns of 257-448 tokens and one of the turns of 449-1,024 (longer contexts: a de
 step), so every chunk regenerated adds data the head has not seen. After the first 70 chunks
 come the `continued` prompts: each answer of the sources up to 448 tokens that was cut off at 160
 tokens, with its prompt, as the prompt for the next 160 (the target's answers up to 320 tokens,
-the later half new; ~5x the tokens per hour of the 449-1,024-token turns, which follow it). Finished chunks are
-committed (int32 ids, ~0.3 MB each) under CAMPAIGN/data; the target's features are captured
-again on each machine (out/, not committed).
+the later half new; ~5x the tokens per hour of the 449-1,024-token turns, which follow it).
+Finished chunks are committed (int32 ids, ~0.3-0.7 MB each) under CAMPAIGN/data; the target's
+features are captured again on each machine (out/, not committed).
 
 Training: `eagle3 train-draft --init-from` the campaign's latest head (the shipped default at the
 start) over every regenerated chunk, 4 TTT steps, a constant learning rate
@@ -217,7 +217,8 @@ def regen(args) -> None:
         new = sum(int(s.mask.sum()) for s in samples[(n - 1) * CHUNK:])
         print(f"chunk {n}/{total}: {new} response tokens in {time.time() - t0:.0f} s "
               f"({new / (time.time() - t0):.0f} tok/s)", flush=True)
-    log({"stage": "regen", "chunks": n, "of": (len(prompts) + CHUNK - 1) // CHUNK, "minutes": round((time.time() - start) / 60, 1)})
+    log({"stage": "regen", "chunks": n, "of": (len(prompts) + CHUNK - 1) // CHUNK,
+         "minutes": round((time.time() - start) / 60, 1)})
 
 
 def log(entry: dict) -> None:
