@@ -199,6 +199,9 @@ def regen(args) -> None:
     torch.set_num_threads(args.threads)
     prompts = campaign_prompts()
     target = load_target()
+    if tuple(target.config.eos_token_ids) != EOS:
+        sys.exit(f"the target's EOS ids {target.config.eos_token_ids} are not the campaign's {EOS}: "
+                 "update EOS (the `continued` source reads cut-off answers by it)")
     key = regen_key(target)
     (CAMPAIGN / "data").mkdir(parents=True, exist_ok=True)
     start = time.time()
