@@ -111,17 +111,25 @@ def code_prompts() -> list[str]:
     return [json.loads(line)["prompt"] for line in CODE_PROMPTS.read_text().splitlines() if line]
 
 
-def campaign_prompts() -> list[list[int]]:
-    """Every prompt's ids in the campaign's fixed order: the sources of `prompt_sources` one after
-    the other. (Chunks are keyed by their prompts: a new source goes after every chunk already
-    made.) Until the first CONTINUE_AFTER chunks exist, the list stops there: the `continued`
-    source is made from their answers."""
+SOURCES = ("fresh", "code", "seen", "long", "longer", "continued")
+
+
+def campaign_order() -> list[tuple[str, list[int]]]:
+    """Every prompt (its source, its ids) in the campaign's fixed order: the sources of
+    `prompt_sources` one after the other. (Chunks are keyed by their prompts: a new source goes
+    after every chunk already made.) Until the first CONTINUE_AFTER chunks exist, the list stops
+    there: the `continued` source is made from their answers."""
     sources = prompt_sources()
-    before = [p for name in ("fresh", "code", "seen", "long", "longer") for p in sources[name]]
+    before = [(name, p) for name in SOURCES[:-1] for p in sources[name]]
     head = before[:CONTINUE_AFTER * CHUNK]
     if sources["continued"] is None:
         return head
-    return head + sources["continued"] + before[CONTINUE_AFTER * CHUNK:]
+    return head + [("continued", p) for p in sources["continued"]] + before[CONTINUE_AFTER * CHUNK:]
+
+
+def campaign_prompts() -> list[list[int]]:
+    """Every prompt's ids in the campaign's fixed order (see `campaign_order`)."""
+    return [p for _, p in campaign_order()]
 
 
 def continued_prompts(n_short: int) -> list[list[int]] | None:
@@ -240,25 +248,42 @@ def read_log() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def prepare_run(run: Path) -> tuple[Path, int, int]:
-    """RUN/data holding every committed chunk and RUN/prompts.jsonl their prompts (ids); returns
-    the file, the number of prompts and their response tokens."""
-    from eagle3.train.data import load_regenerated
+def prepare_run(run: Path, sources: tuple[str, ...] = SOURCES) -> tuple[Path, int, int, int]:
+    """RUN/data holding the committed chunks' samples of `sources` and RUN/prompts.jsonl their
+    prompts (ids); returns the file, the number of prompts, their response tokens and the number
+    of prompts committed. With every source, RUN/data is a copy of the chunks; with some, their
+    samples are stored as the chunks train-draft would make for those prompts alone, so it
+    reuses them (a stage weighted toward the kind of answer the yardsticks measure)."""
+    from eagle3.train.data import cache_key, load_regenerated, save_regenerated
 
     names = chunk_names()
     if not names:
         sys.exit("no regenerated chunks yet: run `python recipes/campaign.py regen` first")
     (run / "data").mkdir(parents=True, exist_ok=True)
-    for name in names:
-        src, dst = CAMPAIGN / "data" / name, run / "data" / name
-        if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
-            shutil.copy2(src, dst)  # a chunk made again (its prompts changed) replaces the old copy
-    prompts = campaign_prompts()[:len(names) * CHUNK]
+    order = campaign_order()[:len(names) * CHUNK]
+    if set(sources) == set(SOURCES):
+        for name in names:
+            src, dst = CAMPAIGN / "data" / name, run / "data" / name
+            if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
+                shutil.copy2(src, dst)  # a chunk made again (its prompts changed) replaces the old copy
+        for stale in sorted(run.glob("data/regen-*.pt"))[len(names):]:  # a subset's chunks past these
+            stale.unlink()
+        prompts = [p for _, p in order]
+        response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
+    else:
+        keep = [i for i, (name, _) in enumerate(order) if name in sources]
+        if not keep:
+            sys.exit(f"no committed prompt comes from {', '.join(sources)}")
+        samples = load_regenerated(str(CAMPAIGN / "data"))
+        prompts = [order[i][1] for i in keep]
+        # train-draft's key for the campaign's settings (greedy: its seed does not count)
+        key = cache_key(TARGET, RESPONSE, 0.0, SEED, EOS, "bfloat16")
+        save_regenerated(prompts, [samples[i] for i in keep], str(run / "data"), key=key, chunk_size=CHUNK)
+        response = sum(int(samples[i].mask.sum()) for i in keep)
     with open(run / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt_ids": p}) + "\n")
-    response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
-    return run / "prompts.jsonl", len(prompts), response
+    return run / "prompts.jsonl", len(prompts), response, len(order)
 
 
 def held_out_tau(head: Path) -> dict:
@@ -291,7 +316,10 @@ def train(args, cooldown: bool) -> None:
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(WORK / args.continue_trial, run)
         args.resume = True
-    data, n, response = prepare_run(run)
+    sources = tuple(args.sources.split(",")) if args.sources else SOURCES
+    if unknown := set(sources) - set(SOURCES):
+        sys.exit(f"--sources: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SOURCES)})")
+    data, n, response, committed = prepare_run(run, sources)
     init = CAMPAIGN / "head"
     if not (init / "config.json").is_file():  # the campaign starts from the shipped default
         init = ROOT / "models/default/head"
@@ -325,6 +353,8 @@ def train(args, cooldown: bool) -> None:
              **({"continues": args.continue_trial} if args.continue_trial else {}),
              "init": "scratch" if args.from_scratch else str(init.relative_to(ROOT)),
              **({"recipe": " ".join(recipe)} if recipe else {}), "hard_loss": args.hard_loss,
+             **({"sources": list(sources), "committed_prompts": committed}
+                if set(sources) != set(SOURCES) else {}),
              "prompts": n, "response_tokens": response, "steps": report["steps"], "batch": 8,
              "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
              "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
@@ -351,10 +381,10 @@ def curve(args) -> None:
     from eagle3.train.data import load_regenerated
 
     entries = read_log()
-    src = {k: len(v or []) for k, v in prompt_sources().items()}
     resp = [int(s.mask.sum()) for s in load_regenerated(str(CAMPAIGN / "data"))]
-    new_prompts = src["fresh"] + src["code"]
-    seen = resp[new_prompts:new_prompts + SHIPPED_FIRST_TURNS]
+    names = [name for name, _ in campaign_order()][:len(resp)]
+    seen_idx = {i for i, name in enumerate(names) if name == "seen"}
+    seen = [resp[i] for i in sorted(seen_idx)]
     if len(seen) < SHIPPED_FIRST_TURNS:
         sys.exit("the first head's prompts are not all regenerated yet: run `regen` to the end first")
     # The shipped head: stage 1 two epochs over the first 3,072 of its turns, stage 2 three over
@@ -366,6 +396,7 @@ def curve(args) -> None:
                "tau_humaneval": shipped.get("heldout_humaneval_simulated_tau")}]
     main = start = shipped_passes  # the main run's passes so far; where its current run began
     run = None  # (init, seed) of the current main run: a resumed entry continues it only if they match
+    trained = set(seen_idx)  # the prompts some head has trained on: the first head's turns count once
     for e in entries:
         if e["stage"] not in ("train", "cooldown"):
             continue
@@ -374,10 +405,11 @@ def curve(args) -> None:
             start, run = main, key
         # a resumed run's steps count from its start; a cool-down branches off the main run's head
         passes = (start if e["stage"] == "train" else main) + e["token_passes"]
-        # the first head's turns count once, whether or not a stage trained on them; the `long`
-        # source comes after them
-        unique = (sum(seen) + sum(resp[:min(e["prompts"], new_prompts)])
-                  + sum(resp[new_prompts + SHIPPED_FIRST_TURNS:e["prompts"]]))
+        if "sources" in e:  # a stage over some sources of the first `committed_prompts`
+            trained |= {i for i, name in enumerate(names[:e["committed_prompts"]]) if name in e["sources"]}
+        else:
+            trained |= set(range(e["prompts"]))
+        unique = sum(resp[i] for i in trained)
         points.append({"stage": e["stage"], "date": e["date"], "passes": passes, "unique": unique,
                        "tau": e["heldout_sharegpt_simulated_tau"],
                        "tau_humaneval": e.get("heldout_humaneval_simulated_tau")})
@@ -471,6 +503,10 @@ def main() -> int:
                             "once for a stage of about one epoch; offline: captured once (top-64 "
                             "logits), for stages of several epochs")
         t.add_argument("--resume", action="store_true", help="continue this stage's own checkpoint")
+        t.add_argument("--sources", default=None, metavar="A,B",
+                       help=f"train on the committed prompts of these sources only (default: all of "
+                            f"{', '.join(SOURCES)}); e.g. leave out `continued`, whose answers start "
+                            "mid-way, to weight a stage toward answers from their start")
         t.add_argument("--hard-loss", type=float, default=0.0, help="train-draft --hard-loss")
         t.add_argument("--trial", default=None, metavar="NAME",
                        help="an A/B arm: train into out/campaign/NAME, log it, keep the campaign's head")

@@ -687,6 +687,37 @@ def test_regeneration_resumes_from_its_chunks(target_dir, tmp_path, capsys):
         regenerate(target, PROMPTS[::-1], chunk_dir=str(chunks), cached_only=True, **kw)
 
 
+def test_a_subset_of_regenerated_samples_is_stored_as_chunks_regenerate_reuses(target_dir, tmp_path, capsys):
+    """`save_regenerated` writes a subset of a cache (every other prompt) as the chunks
+    `regenerate` makes for that subset: a cached-only run reads them back unchanged, equal to
+    greedy decoding; a second save rewrites nothing; a smaller subset drops the chunks past it."""
+    from eagle3.train.data import regenerate, save_regenerated
+
+    target = load_target(target_dir)
+    kw = dict(response_len=12, eos_ids=(), batch_size=4, progress=False, key="k", chunk_size=2)
+    (tmp_path / "all").mkdir()
+    everything = regenerate(target, PROMPTS, chunk_dir=str(tmp_path / "all"), **kw)
+    keep = list(range(0, len(PROMPTS), 2))
+    prompts, samples = [PROMPTS[i] for i in keep], [everything[i] for i in keep]
+    sub = tmp_path / "sub"
+    save_regenerated(prompts, samples, str(sub), key="k", chunk_size=2)
+    capsys.readouterr()
+    again = regenerate(target, prompts, chunk_dir=str(sub), cached_only=True, **kw)
+    assert "reusing regenerated data: 2 chunk(s)" in capsys.readouterr().err
+    assert [s.tokens.tolist() for s in again] == [p + greedy(target_dir, p, 12) for p in prompts]
+    assert [s.mask.tolist() for s in again] == [s.mask.tolist() for s in samples]
+    mtimes = {f.name: f.stat().st_mtime_ns for f in sub.iterdir()}
+    save_regenerated(prompts, samples, str(sub), key="k", chunk_size=2)
+    assert {f.name: f.stat().st_mtime_ns for f in sub.iterdir()} == mtimes
+    save_regenerated([PROMPTS[0]], [everything[0]], str(sub), key="k", chunk_size=2)
+    assert sorted(f.name for f in sub.iterdir()) == ["regen-00000.pt"]
+    assert len(load_regenerated(str(sub))) == 1
+    with pytest.raises(Eagle3Error, match="does not start with its prompt"):
+        save_regenerated([PROMPTS[1]], [everything[0]], str(sub), key="k")
+    with pytest.raises(Eagle3Error, match="1 prompts but 2 samples"):
+        save_regenerated([PROMPTS[0]], everything[:2], str(sub), key="k")
+
+
 def test_simulated_tau_is_logged_on_held_out_samples(target_dir, tmp_path, monkeypatch):
     """With 24 samples, whole samples holding >= 10 response tokens (at most a tenth: 2) are
     held out: never in a training batch, measured every `eval_every` steps and at the end; the

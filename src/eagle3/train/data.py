@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..allocator import steady_allocator
 from ..errors import Eagle3Error, notice
 from ..files import atomic_write
 
@@ -172,6 +173,7 @@ def regenerate(target, prompts: list[list[int]], *, response_len: int, eos_ids: 
     """
     from tqdm import tqdm
 
+    steady_allocator()  # hours of ragged batches: keep the last one as fast as the first
     max_len = target.config.max_seq_len
     for i, p in enumerate(prompts):
         if len(p) + response_len > max_len:
@@ -183,7 +185,7 @@ def regenerate(target, prompts: list[list[int]], *, response_len: int, eos_ids: 
     for c, start in enumerate(range(0, len(prompts), chunk_size)):
         chunk = prompts[start:start + chunk_size]
         path = os.path.join(chunk_dir, f"regen-{c:05d}.pt") if chunk_dir else None
-        ckey = hashlib.sha256(json.dumps([key, start, chunk]).encode()).hexdigest()
+        ckey = _chunk_key(key, start, chunk)
         samples = _load_chunk(path, ckey) if path else None
         if samples is None:
             if cached_only:
@@ -201,6 +203,31 @@ def regenerate(target, prompts: list[list[int]], *, response_len: int, eos_ids: 
     if reused:
         notice(f"reusing regenerated data: {reused} chunk(s) from {chunk_dir}")
     return out
+
+
+def save_regenerated(prompts: list[list[int]], samples: list[Sample], chunk_dir: str, *, key: str,
+                     chunk_size: int = 256) -> None:
+    """Store already regenerated `samples` (each its prompt + the target's answer) in `chunk_dir`
+    as the chunks `regenerate` would write for `prompts` with the same `key` and `chunk_size`, so
+    that it reuses them: a subset of a larger cache (one kind of prompt, say) trains without
+    regenerating. A chunk already holding the same key is left as it is; chunks past the last
+    are removed."""
+    if len(prompts) != len(samples):
+        raise Eagle3Error(f"{len(prompts)} prompts but {len(samples)} samples")
+    for i, (p, s) in enumerate(zip(prompts, samples)):
+        if s.tokens[:len(p)].tolist() != list(p) or bool(s.mask[:len(p)].any()):
+            raise Eagle3Error(f"sample {i} does not start with its prompt (or has loss on it)")
+    os.makedirs(chunk_dir, exist_ok=True)
+    n = 0
+    for n, start in enumerate(range(0, len(prompts), chunk_size), 1):
+        path = os.path.join(chunk_dir, f"regen-{n - 1:05d}.pt")
+        ckey = _chunk_key(key, start, prompts[start:start + chunk_size])
+        if _load_chunk(path, ckey) is None:
+            _save_chunk(path, ckey, samples[start:start + chunk_size])
+    for name in os.listdir(chunk_dir):
+        index = name[len("regen-"):-len(".pt")]
+        if name.startswith("regen-") and name.endswith(".pt") and index.isdigit() and int(index) >= n:
+            os.remove(os.path.join(chunk_dir, name))
 
 
 def load_regenerated(chunk_dir: str) -> list[Sample]:
@@ -239,6 +266,11 @@ def _sample(prompt: list[int], response: list[int]) -> Sample:
     mask = torch.zeros(tokens.numel(), dtype=torch.bool)
     mask[len(prompt):] = True
     return Sample(tokens, mask)
+
+
+def _chunk_key(key: str, start: int, prompts: list[list[int]]) -> str:
+    """A chunk's key: the settings, where it starts and its own prompts."""
+    return hashlib.sha256(json.dumps([key, start, [list(p) for p in prompts]]).encode()).hexdigest()
 
 
 def _load_chunk(path: str, key: str) -> list[Sample] | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..allocator import steady_allocator
 from ..draft import attach_head
 from ..draft.formats import native_format, save_head
 from ..draft.model import DraftConfig, Eagle3Draft
@@ -371,6 +372,7 @@ def train_draft(args: TrainArgs) -> dict:
     from tqdm import tqdm
 
     rank, world = _dist()
+    steady_allocator()  # ragged batches for hours: keep the last step as fast as the first
     out = Path(args.out)
     check_writable(out)  # before loading anything
     check_writable(out / "data")
