@@ -266,8 +266,6 @@ def prepare_run(run: Path, sources: tuple[str, ...] = SOURCES) -> tuple[Path, in
             src, dst = CAMPAIGN / "data" / name, run / "data" / name
             if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
                 shutil.copy2(src, dst)  # a chunk made again (its prompts changed) replaces the old copy
-        for stale in sorted(run.glob("data/regen-*.pt"))[len(names):]:  # a subset's chunks past these
-            stale.unlink()
         prompts = [p for _, p in order]
         response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
     else:
