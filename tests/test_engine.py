@@ -22,7 +22,7 @@ from eagle3.decoding.costs import choose_plan
 from eagle3.decoding.round import Plan, run_round
 from eagle3.draft import attach_head
 from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
-from eagle3.engine.paged import PagePool
+from eagle3.engine.paged import PagePool, gather_rows
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import random_head, save_context_target, scripted_head
@@ -604,3 +604,17 @@ def test_every_sampling_parameter_reaches_the_engine(random_target):
     for kw, out in zip(variants, outs):
         assert out == spec.generate(p, 24, stop_token_ids=[], num_draft_tokens=2, **kw).token_ids, kw
     assert all(out != outs[0] for out in outs[1:]), "a sampling parameter changed nothing"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_rows_is_index_select(dtype):
+    """The paged cache's gather (16-bit pools through an int16 view of their bytes) returns
+    exactly `index_select`'s rows, NaN and infinity bit patterns included."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(97, 3, 8, generator=g).to(dtype)
+    pool[5, 1, 2], pool[6, 0, 0] = float("nan"), float("-inf")
+    idx = torch.tensor([5, 6, 0, 96, 5, 40])
+    got = gather_rows(pool, idx)
+    assert got.dtype == dtype and got.shape == (6, 3, 8)
+    bits = lambda t: t.view(torch.int16 if t.element_size() == 2 else torch.int32)  # noqa: E731
+    assert torch.equal(bits(got), bits(pool.index_select(0, idx)))

@@ -655,6 +655,20 @@ def test_epoch_batches_cover_each_sample_once_with_less_padding():
     assert len(epoch_batches(lengths, 8, 100, seed=7)) == 100  # a partial epoch: the first steps
 
 
+def test_bf16_regeneration_is_the_same_batched_or_alone(target_dir):
+    """A bf16 target (the campaign regenerates with one) answers each prompt the same in a ragged
+    batch as alone: decoded rows attend through the row-by-row kernel, not bf16 SDPA."""
+    from eagle3.train.data import regenerate
+
+    target = load_target(target_dir, dtype="bfloat16")
+    kw = dict(response_len=12, eos_ids=(), progress=False)
+    batched = regenerate(target, PROMPTS, batch_size=4, **kw)
+    alone = [regenerate(target, [p], batch_size=1, **kw)[0] for p in PROMPTS]
+    assert [s.tokens.tolist() for s in batched] == [s.tokens.tolist() for s in alone]
+    assert all(s.tokens.tolist()[:len(p)] == p and len(s.tokens) == len(p) + 12
+               for p, s in zip(PROMPTS, batched, strict=True))
+
+
 def test_regeneration_resumes_from_its_chunks(target_dir, tmp_path, capsys):
     """Ragged prompts batched through the engine equal one-at-a-time greedy decoding; a rerun
     after a lost chunk remakes only that chunk; a prefix of the prompts reuses the chunks."""

@@ -28,17 +28,22 @@ def slots_upto(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: float | None = None, exact: bool = False) -> torch.Tensor:
+                     scale: float, softcap: float | None = None, exact: bool = False,
+                     stock: bool = False) -> torch.Tensor:
     """q (B, nh, T, hd) over keys/values (B, nkv, S, hd) where `mask` (.., T, S) is True -> (B, T, nh*hd).
 
     `exact`: compute each query row on its own (`kernels.attention`, where it runs), so a
-    row's result does not depend on how many rows share the call; SDPA's does.
+    row's result does not depend on how many rows share the call; SDPA's does. bf16 queries
+    take that kernel too (in fp32, rounded back), exact or not: PyTorch's bf16 SDPA runs a
+    matrix-vector product per decoded row, which on a CPU without AMX is ~15x slower (68 vs
+    4.6 ms for 128 rows over 1,024 bf16 keys, docs/training.md). `stock`: SDPA whatever the
+    rest says (a prompt's forward: many rows, where SDPA's matrix products pay).
     """
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]
-    if exact and row_invariant_attention(q):
+    if not stock and (exact or q.dtype == torch.bfloat16) and row_invariant_attention(q, keys):
         m = mask.reshape(-1, T, mask.shape[-1]).expand(B, T, mask.shape[-1])  # (B, T, S)
-        return torch.ops.eagle3.attention(q, keys, values, m, scale, softcap or 0.0)
+        return torch.ops.eagle3.attention(q.float(), keys, values, m, scale, softcap or 0.0).to(q.dtype)
     if keys.dtype != q.dtype:  # a bf16 cache under float32 queries (a prompt's stock kernels)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     if softcap is None:
@@ -119,7 +124,7 @@ class StaticKVCache(SlotBook):
         `stock`: SDPA even on a row-invariant cache (a prompt's forward)."""
         keys, values = self.update(layer, input_pos, k, v)
         return masked_attention(q, keys[:, :, :kv_len], values[:, :, :kv_len], mask, scale, softcap,
-                                self.exact and not stock)
+                                self.exact, stock)
 
     def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
         """Move the K/V at `src_slots` (N,) to contiguous slots dst_start..dst_start+N-1."""

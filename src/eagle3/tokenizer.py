@@ -24,6 +24,7 @@ class Tokenizer:
             raise Eagle3Error(f"cannot read tokenizer {path} ({str(e)[:100]}); re-save the "
                               "tokenizer files or omit them") from None
         self.path = path
+        self._renderer = None  # (compiled chat template, its special tokens, its file), built once
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -72,6 +73,23 @@ class Tokenizer:
         Matches transformers' `apply_chat_template(messages, add_generation_prompt=True,
         tokenize=True)`: the template's text is encoded without extra special tokens.
         """
+        template, special, source = self._chat_renderer(where)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise Eagle3Error(f"{where}: messages must be a list of {{role, content}} objects")
+        import jinja2  # present: `_chat_renderer` checked
+
+        try:
+            text = template.render(messages=messages, add_generation_prompt=True, **special)
+        except jinja2.exceptions.TemplateError as e:
+            raise Eagle3Error(f"{where}: the chat template of {source} failed: {str(e)[:200]}; fix "
+                              "the template or give prompts instead of messages") from None
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _chat_renderer(self, where: str):
+        """The chat template compiled once per tokenizer, its special tokens and its file
+        (compiling made a prompt cost 5.5 ms instead of 0.8: 31k campaign prompts, minutes)."""
+        if self._renderer is not None:
+            return self._renderer
         template, cfg, source = self._chat_template(where)
         try:
             import jinja2
@@ -79,8 +97,6 @@ class Tokenizer:
         except ImportError:
             raise Eagle3Error(f"{where}: rendering the chat template needs jinja2 "
                               "(pip install jinja2)") from None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise Eagle3Error(f"{where}: messages must be a list of {{role, content}} objects")
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -92,12 +108,12 @@ class Tokenizer:
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
         try:
-            text = env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                    **special)
+            compiled = env.from_string(template)
         except jinja2.exceptions.TemplateError as e:
             raise Eagle3Error(f"{where}: the chat template of {source} failed: {str(e)[:200]}; fix "
                               "the template or give prompts instead of messages") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        self._renderer = (compiled, special, source)
+        return self._renderer
 
 
 def _read_json(path: str) -> dict:

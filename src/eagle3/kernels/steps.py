@@ -44,9 +44,11 @@ def use_fused_steps(*models: nn.Module | None, on: bool = True) -> None:
                 m.fused = on
 
 
-def row_invariant_attention(q: torch.Tensor) -> bool:
-    """Whether `attention` (the kernel) can take this query: fp32 on a CPU with the kernel."""
-    return q.dtype == torch.float32 and q.device.type == "cpu" and kernel_available()
+def row_invariant_attention(q: torch.Tensor, keys: torch.Tensor | None = None) -> bool:
+    """Whether `attention` (the kernel) can take this query (and keys): fp32 or bf16 on a CPU
+    with the kernel (a bf16 query runs in fp32, which holds it exactly; keys fp32 or bf16)."""
+    return (q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu"
+            and (keys is None or keys.dtype in (torch.float32, torch.bfloat16)) and kernel_available())
 
 
 def weight_bytes(*modules: nn.Module | None) -> int:
