@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from .errors import Eagle3Error
 
@@ -61,6 +62,8 @@ class Tokenizer:
 
     def has_chat_template(self) -> bool:
         """Whether `apply_chat_template` can render messages."""
+        if self._renderer is not None:
+            return True
         try:
             self._chat_template("chat")
         except Eagle3Error:
@@ -85,7 +88,7 @@ class Tokenizer:
                               "the template or give prompts instead of messages") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def _chat_renderer(self, where: str):
+    def _chat_renderer(self, where: str) -> tuple[Any, dict, str]:
         """The chat template compiled once per tokenizer, its special tokens and its file
         (compiling made a prompt cost 5.5 ms instead of 0.8: 31k campaign prompts, minutes)."""
         if self._renderer is not None:
