@@ -65,7 +65,8 @@ def campaign_data(report: dict, a: dict, total: int, response: int, longest: int
   `recipes/smollm2_head_stage2.sh`) continued by the campaign's stages below (`eagle3
   train-draft --init-from`, batch {a['batch']}, {a['ttt_steps']} TTT steps, loss weight 0.8^i,
   AdamW, gradient clip {a['grad_clip']}, the target in bfloat16 ({a['features']} features), the
-  head under bf16 autocast, 2 threads of a 2-core Intel Xeon with AMX); this head is the last
+  head under bf16 autocast, 2 threads of a 2-core CPU: each stage's machine is in the log below);
+  this head is the last
   cool-down: {report['steps']} steps, lr {a['lr']} decaying linearly to 0 after {a['warmup']}
   warmup steps. Curves: `docs/bench/campaign-curve.png` (held-out simulated tau along the
   campaign, `recipes/campaign.py curve`)."""
@@ -85,10 +86,11 @@ def campaign_lines(log: Path) -> str:
         else:
             tau = e.get("heldout_sharegpt_simulated_tau") or []
             sources = f" (sources {', '.join(e['sources'])})" if e.get("sources") else ""
+            on = f" on {e['machine'].split(' (')[0]}" if e.get("machine") else ""
             out.append(f"  - {e['date']} {e['stage']}{' ' + e['trial'] if e.get('trial') else ''}: "
                        f"{e['steps']} steps over {e['prompts']} prompts{sources} ({e['response_tokens']:,} "
                        f"response tokens), lr {e['lr']}, hard-loss {e.get('hard_loss', 0)}, "
-                       f"{e['hours']} h; held-out simulated tau K=1..6 {tau}")
+                       f"{e['hours']} h{on}; held-out simulated tau K=1..6 {tau}")
     return "\n".join(out) + "\n"
 
 
