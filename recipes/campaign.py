@@ -248,12 +248,29 @@ def read_log() -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def prepare_run(run: Path, sources: tuple[str, ...] = SOURCES) -> tuple[Path, int, int, int]:
-    """RUN/data holding the committed chunks' samples of `sources` and RUN/prompts.jsonl their
-    prompts (ids); returns the file, the number of prompts, their response tokens and the number
-    of prompts committed. With every source, RUN/data is a copy of the chunks; with some, their
-    samples are stored as the chunks train-draft would make for those prompts alone, so it
-    reuses them (a stage weighted toward the kind of answer the yardsticks measure)."""
+def parse_sources(text: str | None) -> dict[str, int]:
+    """`--sources`: "fresh,code:2,seen" -> {source: how many times each of its prompts is trained
+    on per pass over the data}; None -> every source once."""
+    if not text:
+        return dict.fromkeys(SOURCES, 1)
+    weights = {}
+    for item in text.split(","):
+        name, _, times = item.strip().partition(":")
+        if name not in SOURCES:
+            sys.exit(f"--sources: unknown source {name!r} (choose from {', '.join(SOURCES)})")
+        if times and not (times.isdigit() and 1 <= int(times) <= 8):
+            sys.exit(f"--sources: {item!r}: the weight after ':' must be a whole number 1-8 (e.g. code:2)")
+        weights[name] = int(times or 1)
+    return weights
+
+
+def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int, int, int]:
+    """RUN/data holding the committed chunks' samples of `sources` (each prompt as many times as
+    its source's weight) and RUN/prompts.jsonl their prompts (ids); returns the file, the number
+    of samples, their response tokens, the same two counting each prompt once, and the number of
+    prompts committed. With every source once, RUN/data is a copy of the chunks; otherwise the
+    samples are stored as the chunks train-draft would make for those prompts, so it reuses them
+    (a stage weighted toward the kind of answer the yardsticks measure)."""
     from eagle3.train.data import cache_key, load_regenerated, save_regenerated
 
     names = chunk_names()
@@ -261,27 +278,30 @@ def prepare_run(run: Path, sources: tuple[str, ...] = SOURCES) -> tuple[Path, in
         sys.exit("no regenerated chunks yet: run `python recipes/campaign.py regen` first")
     (run / "data").mkdir(parents=True, exist_ok=True)
     order = campaign_order()[:len(names) * CHUNK]
-    if set(sources) == set(SOURCES):
+    if set(sources) == set(SOURCES) and set(sources.values()) == {1}:
         for name in names:
             src, dst = CAMPAIGN / "data" / name, run / "data" / name
             if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
                 shutil.copy2(src, dst)  # a chunk made again (its prompts changed) replaces the old copy
         prompts = [p for _, p in order]
         response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
+        unique_prompts, unique_response = len(prompts), response
     else:
-        keep = [i for i, (name, _) in enumerate(order) if name in sources]
-        if not keep:
+        once = [i for i, (name, _) in enumerate(order) if name in sources]
+        if not once:
             sys.exit(f"no committed prompt comes from {', '.join(sources)}")
+        keep = [i for i in once for _ in range(sources[order[i][0]])]  # a prompt's copies side by side
         samples = load_regenerated(str(CAMPAIGN / "data"))
         prompts = [order[i][1] for i in keep]
         # train-draft's key for the campaign's settings (greedy: its seed does not count)
         key = cache_key(TARGET, RESPONSE, 0.0, SEED, EOS, "bfloat16")
         save_regenerated(prompts, [samples[i] for i in keep], str(run / "data"), key=key, chunk_size=CHUNK)
         response = sum(int(samples[i].mask.sum()) for i in keep)
+        unique_prompts, unique_response = len(once), sum(int(samples[i].mask.sum()) for i in once)
     with open(run / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt_ids": p}) + "\n")
-    return run / "prompts.jsonl", len(prompts), response, len(order)
+    return run / "prompts.jsonl", len(prompts), response, unique_prompts, unique_response, len(order)
 
 
 def held_out_tau(head: Path) -> dict:
@@ -314,10 +334,8 @@ def train(args, cooldown: bool) -> None:
         shutil.rmtree(run, ignore_errors=True)
         shutil.copytree(WORK / args.continue_trial, run)
         args.resume = True
-    sources = tuple(args.sources.split(",")) if args.sources else SOURCES
-    if unknown := set(sources) - set(SOURCES):
-        sys.exit(f"--sources: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SOURCES)})")
-    data, n, response, committed = prepare_run(run, sources)
+    sources = parse_sources(args.sources)
+    data, n, response, unique_n, unique_response, committed = prepare_run(run, sources)
     init = CAMPAIGN / "head"
     if not (init / "config.json").is_file():  # the campaign starts from the shipped default
         init = ROOT / "models/default/head"
@@ -352,8 +370,10 @@ def train(args, cooldown: bool) -> None:
              "init": "scratch" if args.from_scratch else str(init.relative_to(ROOT)),
              **({"recipe": " ".join(recipe)} if recipe else {}), "hard_loss": args.hard_loss,
              **({"sources": list(sources), "committed_prompts": committed}
-                if set(sources) != set(SOURCES) else {}),
-             "prompts": n, "response_tokens": response, "steps": report["steps"], "batch": 8,
+                if set(sources) != set(SOURCES) or n != unique_n else {}),
+             **({"weights": {k: w for k, w in sources.items() if w > 1}, "samples": n}
+                if n != unique_n else {}),
+             "prompts": unique_n, "response_tokens": unique_response, "steps": report["steps"], "batch": 8,
              "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
              "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
              "train_heldout_simulated_tau": report.get("simulated_tau"),
@@ -501,10 +521,12 @@ def main() -> int:
                             "once for a stage of about one epoch; offline: captured once (top-64 "
                             "logits), for stages of several epochs")
         t.add_argument("--resume", action="store_true", help="continue this stage's own checkpoint")
-        t.add_argument("--sources", default=None, metavar="A,B",
+        t.add_argument("--sources", default=None, metavar="A,B:2",
                        help=f"train on the committed prompts of these sources only (default: all of "
                             f"{', '.join(SOURCES)}); e.g. leave out `continued`, whose answers start "
-                            "mid-way, to weight a stage toward answers from their start")
+                            "mid-way, to weight a stage toward answers from their start. NAME:N "
+                            "trains each prompt of a source N times a pass (e.g. code:2 keeps the "
+                            "code share as more chat data arrives)")
         t.add_argument("--hard-loss", type=float, default=0.0, help="train-draft --hard-loss")
         t.add_argument("--trial", default=None, metavar="NAME",
                        help="an A/B arm: train into out/campaign/NAME, log it, keep the campaign's head")

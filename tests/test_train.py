@@ -790,6 +790,23 @@ def test_held_out_samples_hold_across_seeds_order_and_added_data():
     assert held_out(first[:19], 24) == [] and held_out(first, 0) == []
 
 
+def test_held_out_takes_every_copy_of_a_sample():
+    """A stage that repeats some prompts (campaign `--sources code:2`) holds out both copies of a
+    held-out sample or neither: none is trained on while its twin measures the head."""
+    from eagle3.train.data import Sample
+    from eagle3.train.trainer import held_out
+
+    g = torch.Generator().manual_seed(5)
+    mask = torch.arange(12) >= 4  # 8 response tokens a sample
+    unique = [Sample(torch.randint(1, 100, (12,), generator=g), mask) for _ in range(30)]
+    doubled = unique + [Sample(s.tokens.clone(), mask) for s in unique]
+    keys = [tuple(s.tokens.tolist()) for s in doubled]
+    held = held_out(doubled, 24)  # 24 tokens: three samples' worth, i.e. one and a half pairs
+    held_keys = {keys[i] for i in held}
+    assert len(held_keys) == 2 and held == sorted(i for i, k in enumerate(keys) if k in held_keys)
+    # without copies the same order picks those two and one more (24 tokens from three samples)
+    assert {i for i in held if i < 30} < set(held_out(unique, 24)) and len(held_out(unique, 24)) == 3
+
 def test_lm_head_from_the_target_then_frozen_for_a_while(target_dir, data_file, tmp_path):
     """--lm-head-from-target: the head's lm_head rows are the target's output rows for the draft
     vocabulary and its final norm the target's; --freeze-lm-head 2 keeps them through steps 1-2,
@@ -834,3 +851,21 @@ def test_norm_before_fc_trains_a_norm_over_the_taps_and_round_trips(target_dir, 
         train_draft(args_for(target_dir, data_file, tmp_path / "b", init_from=str(out / "head")))
     train_draft(args_for(target_dir, data_file, tmp_path / "c", norm_before_fc=True, max_steps=1,
                          init_from=str(out / "head")))
+
+
+def test_campaign_sources_take_a_weight_per_source():
+    """recipes/campaign.py --sources: NAME:N trains each prompt of a source N times a pass; an
+    unknown source or a weight that is not a whole number 1-8 stops with a one-line message."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "campaign.py"
+    spec = importlib.util.spec_from_file_location("campaign", path)
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
+    assert campaign.parse_sources("fresh,code:2, longer") == {"fresh": 1, "code": 2, "longer": 1}
+    assert campaign.parse_sources(None) == dict.fromkeys(campaign.SOURCES, 1)
+    for bad, says in (("cod", "unknown source 'cod'"), ("code:0", "whole number 1-8"),
+                      ("code:x", "whole number 1-8"), ("code:9", "whole number 1-8")):
+        with pytest.raises(SystemExit) as e:
+            campaign.parse_sources(bad)
+        assert says in str(e.value) and "\n" not in str(e.value)

@@ -573,16 +573,20 @@ def held_out(samples: list[Sample], tokens: int) -> list[int]:
     simulated tau; none below 20 samples (too few to spare). They are the first samples in the
     order of a hash of their tokens, so the set is the same for every seed, and when a campaign's
     next stage adds data a new sample can only push a held-out one into training, never the
-    reverse: a sample some stage trained on is never held out by a later one."""
+    reverse: a sample some stage trained on is never held out by a later one. Copies of one
+    sample (a stage that repeats a kind of prompt to weight it) are held out together, so a
+    held-out sample is never also trained on."""
     if tokens <= 0 or len(samples) < 20:
         return []
-    digest = [hashlib.sha256(s.tokens.to(torch.int64).numpy().tobytes()).digest() for s in samples]
+    copies: dict[bytes, list[int]] = {}
+    for i, s in enumerate(samples):
+        copies.setdefault(hashlib.sha256(s.tokens.to(torch.int64).numpy().tobytes()).digest(), []).append(i)
     out, have = [], 0
-    for i in sorted(range(len(samples)), key=digest.__getitem__)[:len(samples) // 10]:
+    for digest in sorted(copies)[:len(samples) // 10]:
         if have >= tokens:
             break
-        out.append(i)
-        have += int(samples[i].mask.sum())
+        out += copies[digest]
+        have += sum(int(samples[i].mask.sum()) for i in copies[digest])
     return sorted(out)
 
 
