@@ -807,6 +807,7 @@ def test_held_out_takes_every_copy_of_a_sample():
     # without copies the same order picks those two and one more (24 tokens from three samples)
     assert {i for i in held if i < 30} < set(held_out(unique, 24)) and len(held_out(unique, 24)) == 3
 
+
 def test_lm_head_from_the_target_then_frozen_for_a_while(target_dir, data_file, tmp_path):
     """--lm-head-from-target: the head's lm_head rows are the target's output rows for the draft
     vocabulary and its final norm the target's; --freeze-lm-head 2 keeps them through steps 1-2,
