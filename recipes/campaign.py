@@ -323,6 +323,7 @@ def held_out_tau(head: Path) -> dict:
         r = json.loads((WORK / "eval.json").read_text())
         out[f"heldout_{name}_simulated_tau"] = r["simulated_tau"]
         out[f"heldout_{name}_share_first_k_right"] = r["share_first_k_right"]
+        out[f"heldout_{name}_walked_tau"] = r["walked_tau"]
     return out
 
 

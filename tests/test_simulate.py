@@ -5,7 +5,8 @@ The target is tests/heads.py's context target and the sequences its own greedy r
 heads are scripted along those runs (right everywhere, only at the first draft, nowhere,
 or after even tokens), so the share of rows whose first k drafts are all right is known
 without the code under test: K+1 / 2 / 1 tokens per round, and for the mixed head a count
-taken from the runs themselves.
+taken from the runs themselves. The walked tau (rounds as a decode takes them) is checked
+against real greedy decodes of the same prompts with the same heads.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 from eagle3.draft import attach_head
+from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
-from eagle3.train.simulate import chain_hits, simulated_tau
+from eagle3.train.simulate import chain_hits, chain_runs, simulated_tau, walked_rounds, walked_tau
 from heads import greedy_runs, save_context_target, scripted_head
 
 K, N = 5, 24
@@ -74,3 +76,28 @@ def test_mixed_head_matches_the_rule_it_was_built_with(case):
                     want[k - 1] += 1
     assert torch.equal(rows, expected_rows(runs, mask)) and torch.equal(hits, want)
     assert 0 < want[-1] < want[0] == rows[0]  # the rule bites: depths differ
+
+
+@pytest.mark.parametrize("mode", ["full", "partial", "zero", "mixed"])
+def test_walked_rounds_are_a_real_decodes_rounds(case, mode):
+    """Greedy `generate` with chains of K = 1..K: its drafting rounds and accepted drafts, summed
+    over the prompts, equal what `walked_rounds` reads off the unroll over the same responses."""
+    t, prompts, runs, _, taps = case
+    head = scripted_head(t, prompts, N, mode)
+    attach_head(head, t)
+    mask = torch.zeros_like(runs, dtype=torch.bool)
+    mask[:, len(prompts[0]):] = True  # the whole response; its first token anchors round one
+    counts = walked_rounds(chain_runs(head, runs, mask, taps, K)[0], mask, K)
+    spec = Eagle3Speculator(t, head)
+    for k in range(1, K + 1):
+        rounds = accepted = 0
+        for p, run in zip(prompts, runs.tolist()):
+            out = spec.generate(p, N, num_draft_tokens=k, stop_token_ids=[])
+            assert out.token_ids == run[len(p):]
+            rounds, accepted = rounds + out.stats["rounds"], accepted + out.stats["accepted_tokens"]
+        assert counts[k - 1].tolist() == [rounds, accepted], f"K={k}"
+    tau = walked_tau(counts)
+    if mode in ("zero", "partial"):  # no draft / the first draft alone accepted, every round
+        assert tau == [1.0 + (mode == "partial")] * K
+    else:  # the first draft always right; deeper chains accept more, a round's end caps them
+        assert tau[0] == 2.0 < tau[2] < tau[-1] < K + 1
