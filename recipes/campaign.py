@@ -112,6 +112,13 @@ def code_prompts() -> list[str]:
 
 
 SOURCES = ("fresh", "code", "seen", "long", "longer", "continued")
+# The `sampled` source: the ShareGPT turns of at most MAX_PROMPT tokens (`fresh`, then `seen`)
+# answered again, sampled at TEMPERATURE (a seed per prompt), once the greedy order above is all
+# made: new answers from their start to real chat prompts at the short prompts' speed (~5x the
+# tokens per hour of `longer`). Its chunks have their own key, so they live in their own folder.
+SAMPLED = CAMPAIGN / "sampled"
+TEMPERATURE = 0.7
+ALL_SOURCES = (*SOURCES, "sampled")
 
 
 def campaign_order() -> list[tuple[str, list[int]]]:
@@ -182,6 +189,12 @@ def prompt_sources() -> dict[str, list[list[int]]]:
             "continued": continued_prompts(n_short)}
 
 
+def sampled_prompts() -> list[list[int]]:
+    """The `sampled` source's prompts (ids), in order: `fresh`, then `seen`."""
+    sources = prompt_sources()
+    return sources["fresh"] + sources["seen"]
+
+
 def load_target():
     from eagle3.targets import load_target as load
 
@@ -194,15 +207,21 @@ def regen_key(target) -> str:
     return cache_key(TARGET, RESPONSE, 0.0, SEED, target.config.eos_token_ids, "bfloat16")
 
 
-def chunk_names() -> list[str]:
-    return sorted(p.name for p in (CAMPAIGN / "data").glob("regen-*.pt"))
+def sampled_key(target) -> str:
+    from eagle3.train.data import cache_key
+
+    return cache_key(TARGET, RESPONSE, TEMPERATURE, SEED, target.config.eos_token_ids, "bfloat16")
+
+
+def chunk_names(folder: Path | None = None) -> list[str]:
+    """The chunk files made in `folder` (default: the campaign order's, CAMPAIGN/data)."""
+    return sorted(p.name for p in (folder or CAMPAIGN / "data").glob("regen-*.pt"))
 
 
 def regen(args) -> None:
-    """Regenerate the next chunks until --minutes have passed (a chunk is never cut short)."""
+    """Regenerate the next chunks until --minutes have passed (a chunk is never cut short): the
+    campaign order's (greedy), then the `sampled` source's."""
     import torch
-
-    from eagle3.train.data import regenerate
 
     torch.set_num_threads(args.threads)
     prompts = campaign_prompts()
@@ -210,26 +229,43 @@ def regen(args) -> None:
     if tuple(target.config.eos_token_ids) != EOS:
         sys.exit(f"the target's EOS ids {target.config.eos_token_ids} are not the campaign's {EOS}: "
                  "update EOS (the `continued` source reads cut-off answers by it)")
-    key = regen_key(target)
-    (CAMPAIGN / "data").mkdir(parents=True, exist_ok=True)
+    greedy = ("chunk", CAMPAIGN / "data", regen_key(target), 0.0)
     start = time.time()
-    n = len(chunk_names())
+    n, sampled = len(chunk_names()), None
     while (time.time() - start) / 60 < args.minutes:
-        if n * CHUNK >= len(prompts):  # `continued` exists once the first CONTINUE_AFTER chunks do
-            prompts = campaign_prompts()
+        if sampled is None and n * CHUNK >= len(prompts):  # `continued` exists once the first
+            prompts = campaign_prompts()                    # CONTINUE_AFTER chunks do
             if n * CHUNK >= len(prompts):
-                break
-        total = (len(prompts) + CHUNK - 1) // CHUNK
-        t0 = time.time()
-        samples = regenerate(target, prompts[:(n + 1) * CHUNK], response_len=RESPONSE,
-                             eos_ids=target.config.eos_token_ids, batch_size=args.batch,
-                             chunk_dir=str(CAMPAIGN / "data"), key=key, chunk_size=CHUNK, progress=False)
-        n += 1
-        new = sum(int(s.mask.sum()) for s in samples[(n - 1) * CHUNK:])
-        print(f"chunk {n}/{total}: {new} response tokens in {time.time() - t0:.0f} s "
-              f"({new / (time.time() - t0):.0f} tok/s)", flush=True)
-    log({"stage": "regen", "chunks": n, "of": (len(prompts) + CHUNK - 1) // CHUNK,
-         "minutes": round((time.time() - start) / 60, 1)})
+                sampled = sampled_prompts()
+        todo, (label, folder, key, temperature) = ((prompts, greedy) if sampled is None else
+                                                   (sampled, ("sampled chunk", SAMPLED, sampled_key(target),
+                                                              TEMPERATURE)))
+        m = len(chunk_names(folder)) + 1
+        if (m - 1) * CHUNK >= len(todo):
+            break
+        new, seconds = regen_chunk(target, todo, m, folder, key, temperature, args.batch)
+        n = len(chunk_names())
+        print(f"{label} {m}/{(len(todo) + CHUNK - 1) // CHUNK}: {new} response tokens in {seconds:.0f} s "
+              f"({new / seconds:.0f} tok/s)", flush=True)
+    entry = {"stage": "regen", "chunks": n, "of": (len(prompts) + CHUNK - 1) // CHUNK}
+    if sampled is not None:
+        entry |= {"sampled_chunks": len(chunk_names(SAMPLED)),
+                  "sampled_of": (len(sampled) + CHUNK - 1) // CHUNK, "temperature": TEMPERATURE}
+    log({**entry, "minutes": round((time.time() - start) / 60, 1)})
+
+
+def regen_chunk(target, prompts: list[list[int]], n: int, folder: Path, key: str, temperature: float,
+                batch: int) -> tuple[int, float]:
+    """Make chunk `n` (1-based) of `prompts` in `folder` (the chunks before it are reused);
+    returns its response tokens and the seconds it took."""
+    from eagle3.train.data import regenerate
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    samples = regenerate(target, prompts[:n * CHUNK], response_len=RESPONSE,
+                         eos_ids=target.config.eos_token_ids, batch_size=batch, temperature=temperature,
+                         seed=SEED, chunk_dir=str(folder), key=key, chunk_size=CHUNK, progress=False)
+    return sum(int(s.mask.sum()) for s in samples[(n - 1) * CHUNK:]), time.time() - t0
 
 
 def log(entry: dict) -> None:
@@ -252,26 +288,29 @@ def parse_sources(text: str | None) -> dict[str, int]:
     """`--sources`: "fresh,code:2,seen" -> {source: how many times each of its prompts is trained
     on per pass over the data}; None -> every source once."""
     if not text:
-        return dict.fromkeys(SOURCES, 1)
+        return dict.fromkeys(ALL_SOURCES, 1)
     weights = {}
     for item in text.split(","):
         name, _, times = item.strip().partition(":")
-        if name not in SOURCES:
-            sys.exit(f"--sources: unknown source {name!r} (choose from {', '.join(SOURCES)})")
+        if name not in ALL_SOURCES:
+            sys.exit(f"--sources: unknown source {name!r} (choose from {', '.join(ALL_SOURCES)})")
         if times and not (times.isdigit() and 1 <= int(times) <= 8):
             sys.exit(f"--sources: {item!r}: the weight after ':' must be a whole number 1-8 (e.g. code:2)")
         weights[name] = int(times or 1)
     return weights
 
 
-def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int, int, int]:
+def prepare_run(run: Path, sources: dict[str, int]) -> dict:
     """RUN/data holding the committed chunks' samples of `sources` (each prompt as many times as
-    its source's weight) and RUN/prompts.jsonl their prompts (ids); returns the file, the number
-    of samples, their response tokens, the same two counting each prompt once, and the number of
-    prompts committed. With every source once, RUN/data is a copy of the chunks; otherwise the
-    samples are stored as the chunks train-draft would make for those prompts, so it reuses them
-    (a stage weighted toward the kind of answer the yardsticks measure), and RUN/copies.json
-    says how many samples in a row each prompt takes."""
+    its source's weight; the `sampled` source's after the others) and RUN/prompts.jsonl their
+    prompts (ids). Returns `data` (that file), `samples` and `response` (their number and
+    response tokens), `unique_prompts` and `unique_response` (the same counting each prompt
+    once), `committed` (the campaign order's prompts committed) and `sampled` and
+    `sampled_response` (the `sampled` source's prompts and response tokens). With every greedy
+    source once and no `sampled`, RUN/data is a copy of the chunks; otherwise the samples are
+    stored as the chunks train-draft would make for those prompts, so it reuses them (a stage
+    weighted toward the kind of answer the yardsticks measure), and RUN/copies.json says how
+    many samples in a row each prompt takes."""
     from eagle3.train.data import cache_key, load_regenerated, save_regenerated
 
     names = chunk_names()
@@ -279,7 +318,8 @@ def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int
         sys.exit("no regenerated chunks yet: run `python recipes/campaign.py regen` first")
     (run / "data").mkdir(parents=True, exist_ok=True)
     order = campaign_order()[:len(names) * CHUNK]
-    if set(sources) == set(SOURCES) and set(sources.values()) == {1}:
+    extra = load_regenerated(str(SAMPLED)) if "sampled" in sources and chunk_names(SAMPLED) else []
+    if set(sources) - {"sampled"} == set(SOURCES) and set(sources.values()) == {1} and not extra:
         for name in names:
             src, dst = CAMPAIGN / "data" / name, run / "data" / name
             if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
@@ -289,24 +329,28 @@ def prepare_run(run: Path, sources: dict[str, int]) -> tuple[Path, int, int, int
         unique_prompts, unique_response = len(prompts), response
         (run / "copies.json").unlink(missing_ok=True)
     else:
-        once = [i for i, (name, _) in enumerate(order) if name in sources]
-        if not once:
+        chunks = load_regenerated(str(CAMPAIGN / "data"))
+        rows = [(name, p, chunks[i]) for i, (name, p) in enumerate(order) if name in sources]
+        rows += [("sampled", s.tokens[:int(s.mask.long().argmax())].tolist(), s) for s in extra]
+        if not rows:
             sys.exit(f"no committed prompt comes from {', '.join(sources)}")
-        keep = [i for i in once for _ in range(sources[order[i][0]])]  # a prompt's copies side by side
-        samples = load_regenerated(str(CAMPAIGN / "data"))
-        prompts = [order[i][1] for i in keep]
-        # train-draft's key for the campaign's settings (greedy: its seed does not count)
+        keep = [row for row in rows for _ in range(sources[row[0]])]  # a prompt's copies side by side
+        prompts = [p for _, p, _ in keep]
+        # train-draft's key for the campaign's settings (greedy: its seed does not count); it
+        # only reads these chunks back, so the `sampled` answers go in under it as they are
         key = cache_key(TARGET, RESPONSE, 0.0, SEED, EOS, "bfloat16")
-        save_regenerated(prompts, [samples[i] for i in keep], str(run / "data"), key=key, chunk_size=CHUNK)
-        response = sum(int(samples[i].mask.sum()) for i in keep)
-        unique_prompts, unique_response = len(once), sum(int(samples[i].mask.sum()) for i in once)
+        save_regenerated(prompts, [s for _, _, s in keep], str(run / "data"), key=key, chunk_size=CHUNK)
+        response = sum(int(s.mask.sum()) for _, _, s in keep)
+        unique_prompts, unique_response = len(rows), sum(int(s.mask.sum()) for _, _, s in rows)
         # how many samples in a row each prompt takes in RUN/data, for a card that counts it once
         (run / "copies.json").write_text(json.dumps({"weights": sources,
-                                                     "copies": [sources[order[i][0]] for i in once]}))
+                                                     "copies": [sources[name] for name, _, _ in rows]}))
     with open(run / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt_ids": p}) + "\n")
-    return run / "prompts.jsonl", len(prompts), response, unique_prompts, unique_response, len(order)
+    return {"data": run / "prompts.jsonl", "samples": len(prompts), "response": response,
+            "unique_prompts": unique_prompts, "unique_response": unique_response, "committed": len(order),
+            "sampled": len(extra), "sampled_response": sum(int(s.mask.sum()) for s in extra)}
 
 
 def held_out_tau(head: Path) -> dict:
@@ -341,7 +385,9 @@ def train(args, cooldown: bool) -> None:
         shutil.copytree(WORK / args.continue_trial, run)
         args.resume = True
     sources = parse_sources(args.sources)
-    data, n, response, unique_n, unique_response, committed = prepare_run(run, sources)
+    prep = prepare_run(run, sources)
+    data, n, response = prep["data"], prep["samples"], prep["response"]
+    unique_n, unique_response = prep["unique_prompts"], prep["unique_response"]
     init = CAMPAIGN / "head"
     if not (init / "config.json").is_file():  # the campaign starts from the shipped default
         init = ROOT / "models/default/head"
@@ -375,8 +421,10 @@ def train(args, cooldown: bool) -> None:
              **({"continues": args.continue_trial} if args.continue_trial else {}),
              "init": "scratch" if args.from_scratch else str(init.relative_to(ROOT)),
              **({"recipe": " ".join(recipe)} if recipe else {}), "hard_loss": args.hard_loss,
-             **({"sources": list(sources), "committed_prompts": committed}
+             **({"sources": list(sources), "committed_prompts": prep["committed"]}
                 if set(sources) != set(SOURCES) or n != unique_n else {}),
+             **({"sampled_prompts": prep["sampled"], "sampled_response_tokens": prep["sampled_response"],
+                 "temperature": TEMPERATURE} if prep["sampled"] else {}),
              **({"weights": {k: w for k, w in sources.items() if w > 1}, "samples": n}
                 if n != unique_n else {}),
              "prompts": unique_n, "response_tokens": unique_response, "steps": report["steps"], "batch": 8,
@@ -421,6 +469,7 @@ def curve(args) -> None:
     main = start = shipped_passes  # the main run's passes so far; where its current run began
     run = None  # (init, seed) of the current main run: a resumed entry continues it only if they match
     trained = set(seen_idx)  # the prompts some head has trained on: the first head's turns count once
+    sampled = 0  # the most `sampled` response tokens a stage has trained on (each stage takes all made)
     for e in entries:
         if e["stage"] not in ("train", "cooldown"):
             continue
@@ -433,7 +482,8 @@ def curve(args) -> None:
             trained |= {i for i, name in enumerate(names[:e["committed_prompts"]]) if name in e["sources"]}
         else:
             trained |= set(range(e["prompts"]))
-        unique = sum(resp[i] for i in trained)
+        sampled = max(sampled, e.get("sampled_response_tokens", 0))
+        unique = sum(resp[i] for i in trained) + sampled
         points.append({"stage": e["stage"], "date": e["date"], "passes": passes, "unique": unique,
                        "tau": e["heldout_sharegpt_simulated_tau"],
                        "tau_humaneval": e.get("heldout_humaneval_simulated_tau")})
@@ -499,6 +549,7 @@ def plot_curve(points: list[dict], fit: dict, path: Path) -> None:
 def status(args) -> None:
     names = chunk_names()
     print(f"{len(names)} chunk(s) regenerated in {CAMPAIGN / 'data'}")
+    print(f"{len(chunk_names(SAMPLED))} `sampled` chunk(s) (temperature {TEMPERATURE}) in {SAMPLED}")
     print("head:", CAMPAIGN / "head" if (CAMPAIGN / "head").is_dir() else "none yet (the shipped default)")
     if (CAMPAIGN / "log.jsonl").is_file():
         print((CAMPAIGN / "log.jsonl").read_text(), end="")

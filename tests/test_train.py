@@ -854,19 +854,66 @@ def test_norm_before_fc_trains_a_norm_over_the_taps_and_round_trips(target_dir, 
                          init_from=str(out / "head")))
 
 
-def test_campaign_sources_take_a_weight_per_source():
-    """recipes/campaign.py --sources: NAME:N trains each prompt of a source N times a pass; an
-    unknown source or a weight that is not a whole number 1-8 stops with a one-line message."""
+def load_campaign():
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "recipes" / "campaign.py"
     spec = importlib.util.spec_from_file_location("campaign", path)
     campaign = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(campaign)
-    assert campaign.parse_sources("fresh,code:2, longer") == {"fresh": 1, "code": 2, "longer": 1}
-    assert campaign.parse_sources(None) == dict.fromkeys(campaign.SOURCES, 1)
+    return campaign
+
+
+def test_campaign_sources_take_a_weight_per_source():
+    """recipes/campaign.py --sources: NAME:N trains each prompt of a source N times a pass; an
+    unknown source or a weight that is not a whole number 1-8 stops with a one-line message."""
+    campaign = load_campaign()
+    assert campaign.parse_sources("fresh,code:2, longer,sampled") == {"fresh": 1, "code": 2, "longer": 1,
+                                                                      "sampled": 1}
+    assert campaign.parse_sources(None) == dict.fromkeys((*campaign.SOURCES, "sampled"), 1)
     for bad, says in (("cod", "unknown source 'cod'"), ("code:0", "whole number 1-8"),
                       ("code:x", "whole number 1-8"), ("code:9", "whole number 1-8")):
         with pytest.raises(SystemExit) as e:
             campaign.parse_sources(bad)
         assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_campaign_stage_takes_the_sampled_answers_after_the_greedy_ones(target_dir, tmp_path, monkeypatch):
+    """recipes/campaign.py: `regen` makes the `sampled` source's chunks in their own folder
+    (sampled, seeded: made again they are the same); a stage over `fresh,code:2,sampled` stores
+    the greedy sources' samples (code twice) and then the sampled answers as chunks train-draft
+    reuses, each under its own prompt, and counts each prompt once."""
+    from eagle3.train.data import cache_key, regenerate
+
+    campaign = load_campaign()
+    target = load_target(target_dir)
+    prompts = [[1, 5, 9], [1, 7], [1, 3, 3, 8], [1, 6, 2]]
+    monkeypatch.setattr(campaign, "CAMPAIGN", tmp_path / "campaign")
+    monkeypatch.setattr(campaign, "SAMPLED", tmp_path / "campaign" / "sampled")
+    monkeypatch.setattr(campaign, "CHUNK", 2)
+    monkeypatch.setattr(campaign, "RESPONSE", 12)
+    monkeypatch.setattr(campaign, "campaign_order", lambda: list(zip(["fresh", "code"] * 2, prompts)))
+    for n in (1, 2):
+        campaign.regen_chunk(target, prompts, n, campaign.CAMPAIGN / "data", "greedy", 0.0, 4)
+    chat = [prompts[0], prompts[2]]
+    new, _ = campaign.regen_chunk(target, chat, 1, campaign.SAMPLED, "sampled", campaign.TEMPERATURE, 4)
+    sampled = load_regenerated(str(campaign.SAMPLED))
+    assert new == 24 and [s.tokens[:len(p)].tolist() for s, p in zip(sampled, chat)] == chat
+    answers = [s.tokens[len(p):].tolist() for s, p in zip(sampled, chat)]
+    assert answers != [greedy(target_dir, p, 12) for p in chat]
+    again = regenerate(target, chat, response_len=12, eos_ids=target.config.eos_token_ids,
+                       temperature=campaign.TEMPERATURE, seed=campaign.SEED, progress=False)
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in sampled]
+
+    run = tmp_path / "run"
+    prep = campaign.prepare_run(run, {"fresh": 1, "code": 2, "sampled": 1})
+    order = [prompts[0], prompts[1], prompts[1], prompts[2], prompts[3], prompts[3], *chat]
+    assert [json.loads(line)["prompt_ids"] for line in open(prep["data"])] == order
+    assert (prep["samples"], prep["unique_prompts"], prep["sampled"], prep["committed"]) == (8, 6, 2, 4)
+    assert (prep["response"], prep["unique_response"], prep["sampled_response"]) == (96, 72, 24)
+    assert json.loads((run / "copies.json").read_text())["copies"] == [1, 2, 1, 2, 1, 1]
+    key = cache_key(campaign.TARGET, 12, 0.0, campaign.SEED, campaign.EOS, "bfloat16")
+    stored = regenerate(target, order, response_len=12, eos_ids=(), chunk_dir=str(run / "data"), key=key,
+                        chunk_size=2, cached_only=True, progress=False)
+    want = [p + greedy(target_dir, p, 12) for p in order[:6]] + [s.tokens.tolist() for s in sampled]
+    assert [s.tokens.tolist() for s in stored] == want
