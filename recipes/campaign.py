@@ -19,6 +19,8 @@ step), so every chunk regenerated adds data the head has not seen. After the fir
 come the `continued` prompts: each answer of the sources up to 448 tokens that was cut off at 160
 tokens, with its prompt, as the prompt for the next 160 (the target's answers up to 320 tokens,
 the later half new; ~5x the tokens per hour of the 449-1,024-token turns, which follow it).
+Once that order is all made, `regen` goes on with the `sampled` source: the ShareGPT turns of at
+most 256 tokens answered again at temperature 0.7 (CAMPAIGN/sampled, chunks of their own key).
 Finished chunks are committed (int32 ids, ~0.3-0.7 MB each) under CAMPAIGN/data; the target's
 features are captured again on each machine (out/, not committed).
 
@@ -580,7 +582,8 @@ def main() -> int:
         t.add_argument("--resume", action="store_true", help="continue this stage's own checkpoint")
         t.add_argument("--sources", default=None, metavar="A,B:2",
                        help=f"train on the committed prompts of these sources only (default: all of "
-                            f"{', '.join(SOURCES)}); e.g. leave out `continued`, whose answers start "
+                            f"{', '.join(ALL_SOURCES)}; `sampled`: the short chat turns answered "
+                            "again at temperature 0.7); e.g. leave out `continued`, whose answers start "
                             "mid-way, to weight a stage toward answers from their start. NAME:N "
                             "trains each prompt of a source N times a pass (e.g. code:2 keeps the "
                             "code share as more chat data arrives)")
