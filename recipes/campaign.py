@@ -123,12 +123,12 @@ TEMPERATURE = 0.7
 ALL_SOURCES = (*SOURCES, "sampled")
 
 
-def campaign_order() -> list[tuple[str, list[int]]]:
+def campaign_order(sources: dict | None = None) -> list[tuple[str, list[int]]]:
     """Every prompt (its source, its ids) in the campaign's fixed order: the sources of
     `prompt_sources` one after the other. (Chunks are keyed by their prompts: a new source goes
     after every chunk already made.) Until the first CONTINUE_AFTER chunks exist, the list stops
     there: the `continued` source is made from their answers."""
-    sources = prompt_sources()
+    sources = sources or prompt_sources()
     before = [(name, p) for name in SOURCES[:-1] for p in sources[name]]
     head = before[:CONTINUE_AFTER * CHUNK]
     if sources["continued"] is None:
@@ -136,9 +136,9 @@ def campaign_order() -> list[tuple[str, list[int]]]:
     return head + [("continued", p) for p in sources["continued"]] + before[CONTINUE_AFTER * CHUNK:]
 
 
-def campaign_prompts() -> list[list[int]]:
+def campaign_prompts(sources: dict | None = None) -> list[list[int]]:
     """Every prompt's ids in the campaign's fixed order (see `campaign_order`)."""
-    return [p for _, p in campaign_order()]
+    return [p for _, p in campaign_order(sources)]
 
 
 def continued_prompts(n_short: int) -> list[list[int]] | None:
@@ -191,9 +191,9 @@ def prompt_sources() -> dict[str, list[list[int]]]:
             "continued": continued_prompts(n_short)}
 
 
-def sampled_prompts() -> list[list[int]]:
+def sampled_prompts(sources: dict | None = None) -> list[list[int]]:
     """The `sampled` source's prompts (ids), in order: `fresh`, then `seen`."""
-    sources = prompt_sources()
+    sources = sources or prompt_sources()
     return sources["fresh"] + sources["seen"]
 
 
@@ -231,17 +231,18 @@ def regen(args) -> None:
     if tuple(target.config.eos_token_ids) != EOS:
         sys.exit(f"the target's EOS ids {target.config.eos_token_ids} are not the campaign's {EOS}: "
                  "update EOS (the `continued` source reads cut-off answers by it)")
-    greedy = ("chunk", CAMPAIGN / "data", regen_key(target), 0.0)
+    # What the next chunk is made of: the greedy order, swapped once for the `sampled` source.
+    todo, label, folder, key, temperature = prompts, "chunk", CAMPAIGN / "data", regen_key(target), 0.0
     start = time.time()
     n, sampled = len(chunk_names()), None
     while (time.time() - start) / 60 < args.minutes:
         if sampled is None and n * CHUNK >= len(prompts):  # `continued` exists once the first
-            prompts = campaign_prompts()                    # CONTINUE_AFTER chunks do
+            sources = prompt_sources()                      # CONTINUE_AFTER chunks do
+            todo = prompts = campaign_prompts(sources)
             if n * CHUNK >= len(prompts):
-                sampled = sampled_prompts()
-        todo, (label, folder, key, temperature) = ((prompts, greedy) if sampled is None else
-                                                   (sampled, ("sampled chunk", SAMPLED, sampled_key(target),
-                                                              TEMPERATURE)))
+                sampled = sampled_prompts(sources)
+                todo, label, folder, key, temperature = (sampled, "sampled chunk", SAMPLED,
+                                                         sampled_key(target), TEMPERATURE)
         m = len(chunk_names(folder)) + 1
         if (m - 1) * CHUNK >= len(todo):
             break
