@@ -4,6 +4,7 @@ campaign's head, batch 8, 4 TTT steps, bf16 autocast, as `campaign.py train` run
 the share of rows that carry loss at each TTT step.
 
     python recipes/train_step_profile.py --steps 6 [--json docs/bench/train-step.json]
+        [--target-dtype float32] [--no-autocast]   # the alternatives, for CPUs without AMX
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="batches timed (after one warm-up batch)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the target's weights for the features (the campaign: bfloat16)")
+    ap.add_argument("--no-autocast", action="store_true",
+                    help="the head's forward and backward in float32 (the campaign: bf16 autocast)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m-instruct", dtype="bfloat16", max_seq_len=448)
+    samples = load_regenerated(str(CAMPAIGN / "data"))
+    longest = max(s.tokens.numel() for s in samples)  # the campaign's turns run to 1,024 + 160
+    target = load_target("smollm2-135m-instruct", dtype=args.target_dtype, max_seq_len=longest)
     _, head = load_head(str(CAMPAIGN / "head"))
     head = head.float()
     head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
     attach_head(head, target)
     params = [p.requires_grad_(True) for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=1e-5)
-    samples = load_regenerated(str(CAMPAIGN / "data"))
     batches = epoch_batches([s.tokens.numel() for s in samples], 8, len(samples) // 8, 0)
     parts = {"target_forward": 0.0, "ttt_forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     tokens_total = 0
@@ -55,7 +61,7 @@ def main() -> None:
         marks = [time.perf_counter()]
         tlogits, taps = target_forward(target, tokens, head.vocab_ids())
         marks.append(time.perf_counter())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_autocast):
             loss = ttt_loss(head, tokens, mask, taps, tlogits, steps=4)[0]
         marks.append(time.perf_counter())
         opt.zero_grad(set_to_none=True)
@@ -73,6 +79,7 @@ def main() -> None:
             loss_share[i] += mask[:, 2 + i:].sum() / (mask.shape[0] * (T - 1))
     step_s = sum(parts.values()) / args.steps
     out = {"threads": args.threads, "batches": args.steps, "batch": 8,
+           "target_dtype": args.target_dtype, "autocast": not args.no_autocast,
            "step_s": round(step_s, 3),
            "parts_s": {k: round(v / args.steps, 3) for k, v in parts.items()},
            "loss_tokens_per_s": round(tokens_total / sum(parts.values()), 1),
