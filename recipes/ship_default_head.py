@@ -54,9 +54,9 @@ def data_lines(report: dict, a: dict, total: int, response: int) -> str:
 def stage_entry(log: Path, run: Path) -> dict:
     """The campaign log's last line for the stage that made `run` (its folder is named after the
     stage, or the trial: out/campaign/cooldown, out/campaign/main, out/campaign/NAME)."""
-    names = {"main": "train"}.get(run.name, run.name)
+    name = {"main": "train"}.get(run.name, run.name)
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return next((e for e in reversed(lines) if names in (e["stage"], e.get("trial"))), {})
+    return next((e for e in reversed(lines) if name in (e["stage"], e.get("trial"))), {})
 
 
 def campaign_data(report: dict, a: dict, total: int, response: int, longest: int, prompts: int,
