@@ -106,12 +106,22 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monk
     B, T, steps = 2, 12, 4
     tokens = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) < 0.7
-    mask[0, :7] = False  # a prompt: its rows feed the chains and predict nothing that counts
+    mask[0, :7], mask[0, 7:] = False, True  # prompts: their rows feed the chains and predict
+    mask[1, :6], mask[1, 6], mask[1, -1] = False, True, True  # nothing that counts
     tlogits, taps = target_forward(target, tokens)
     loss, correct, counted, logits = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps,
                                               return_logits=True)
     assert logits.shape == (steps, B, T - 1, 100)
     got_grad = torch.autograd.grad(loss, params)
+    # Without logits kept, the training path runs only the chains some loss reads: not rows 0-1
+    # of sequence 0, row 0 of sequence 1, nor the last row (it predicts past the end); sequence 0
+    # is padded with its row 0.
+    chains = ttt.chain_rows(mask, steps)
+    assert chains is not None and chains.tolist() == [[0, *range(2, T - 2)], list(range(1, T - 2))]
+    packed, packed_correct, packed_counted = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps)
+    assert torch.equal(packed_correct, correct) and torch.equal(packed_counted, counted)
+    for a, b in zip(torch.autograd.grad(packed, params), got_grad):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     drafts = ttt.ttt_drafts(head, tokens, taps, steps)  # (steps, B, T-1)
     assert drafts.shape == (steps, B, T - 1)
     norm = float(mask[:, 2:].sum())
@@ -155,6 +165,7 @@ def test_ttt_logits_and_loss_match_the_chain_runner(target_dir, chunk_rows, monk
     expect_loss, expect_hard, expect_correct, expect_counted, outside = by_inference(check=True)
     assert outside > 0
     assert float(loss) == pytest.approx(expect_loss, rel=1e-5)
+    assert float(packed) == pytest.approx(expect_loss, rel=1e-5)
     assert torch.equal(counted, expect_counted) and torch.equal(correct, expect_correct)
     with torch.no_grad():
         mixed = ttt_loss(head, tokens, mask, taps, tlogits, steps=steps, hard=0.25)[0]

@@ -36,45 +36,88 @@ def _shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: int
-           ) -> Iterator[torch.Tensor]:
-    """The head's features h of TTT steps 0..steps-1, (B, T-1, H) each, every row at once.
+def chain_rows(mask: torch.Tensor, steps: int) -> torch.Tensor | None:
+    """The rows whose chains some step's loss reads, packed: (B, N) slot indices, ascending,
+    or None where that is every row. Row t carries loss at step i when token t+2+i does;
+    on chat data the prompt's rows carry none (~57% of the campaign's rows), and only their
+    step-0 keys are read (by later rows). Each sequence's needed rows come first, then
+    unneeded ones pad it to the batch's widest, so the slots stay distinct."""
+    B, T = mask.shape
+    R = T - 1
+    need = torch.zeros(B, R, dtype=torch.bool, device=mask.device)
+    for i in range(steps):
+        need |= _shift(mask[:, 1:], 1 + i, False)  # [t] = mask[t+2+i]
+    N = int(need.sum(1).max())
+    if N == R:
+        return None
+    t = torch.arange(R, device=mask.device)
+    order = torch.where(need, t, t + R).argsort(dim=1)  # needed rows first, each part ascending
+    return order[:, :N].sort(dim=1).values
+
+
+def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: int,
+           rows: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """The head's features h of TTT steps 0..steps-1, (B, N, H) each.
 
     tokens (B, T), taps (B, T, 3Ht) from the frozen target. Row t of step i is the chain from
-    draft slot t after i steps (see the module docstring); the caller reads each step's logits
-    from h, on the rows it needs."""
+    draft slot t after i steps (see the module docstring). `rows` (B, N) from `chain_rows`:
+    those chains alone are run (every row's step-0 keys and values still are: later rows
+    attend to them); None: all R = T-1 rows, N = R. The caller reads each step's logits from
+    h, on the rows it needs."""
     B, T = tokens.shape
     R = T - 1  # rows: slot t pairs token t+1 with feature t
     layer, attn = head.midlayer, head.midlayer.self_attn
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.hd
-    causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
-    scale = hd ** -0.5
+    slots = torch.arange(R, device=tokens.device)
+    if rows is None:
+        causal = torch.ones(R, R, dtype=torch.bool, device=tokens.device).tril()  # (R, R)
+    else:
+        causal = (slots[None, None, :] <= rows[:, :, None])[:, None]  # (B, 1, N, R)
+    N = R if rows is None else rows.shape[1]
+
+    def pick(x: torch.Tensor) -> torch.Tensor:  # (B, R, D) -> (B, N, D), the chains run
+        return x if rows is None else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+
+    def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x (B, heads, N|R, hd)
+        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
+        if pos.dim() == 2:  # per-chain positions (B, N): (B, 1, N, hd)
+            cos, sin = cos[:, None], sin[:, None]
+        return x * cos + rotate_half(x) * sin
+
     g = head.fuse(taps[:, :R])  # (B, R, H)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(steps):
         step_tokens = _shift(tokens[:, 1:], i)  # (B, R): x_{t+1+i}
-        pos = torch.arange(R, device=tokens.device) + i
-        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
-        a, residual = layer.mix(head.embed_tokens(step_tokens), g)
-        q = attn.q_proj(a).view(B, R, nh, hd).transpose(1, 2)
-        k = attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2)
-        v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, R, hd)
+        if i > 0 and rows is not None:
+            step_tokens = step_tokens.gather(1, rows)  # (B, N)
+        a, residual = layer.mix(head.embed_tokens(step_tokens), g)  # g: (B, R|N, H)
+        if i == 0:  # every row's keys: the teacher-forced prefix the chains attend to
+            k = rope(attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2), slots)
+            v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
+            a, residual = pick(a), pick(residual)
+        else:
+            k = rope(attn.k_proj(a).view(B, N, nkv, hd).transpose(1, 2), _pos(rows, slots, i))
+            v = attn.v_proj(a).view(B, N, nkv, hd).transpose(1, 2)
+        q = rope(attn.q_proj(a).view(B, N, nh, hd).transpose(1, 2), _pos(rows, slots, i))
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, ., hd)
         keys.append(k)
         values.append(v)
-        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, R, R): teacher-forced prefix
+        s0 = (q @ keys[0].transpose(-1, -2)) * (hd ** -0.5)  # (B, nh, N, R): teacher-forced prefix
         s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # own chain, (B, nh, R, 1)
+        diag = [(q * kj).sum(-1, keepdim=True) * (hd ** -0.5) for kj in keys[1:]]  # own chain
         w = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
         out = w[..., :R] @ values[0]
         for j, vj in enumerate(values[1:]):
             out = out + w[..., R + j:R + j + 1] * vj
-        out = out.transpose(1, 2).reshape(B, R, nh * hd)
-        g = layer.finish(residual, attn.o_proj(out))  # (B, R, H)
+        out = out.transpose(1, 2).reshape(B, N, nh * hd)
+        g = layer.finish(residual, attn.o_proj(out))  # (B, N, H)
         yield g
+
+
+def _pos(rows: torch.Tensor | None, slots: torch.Tensor, i: int) -> torch.Tensor:
+    """Positions of step i's chains: slot + i, (R,) or per chain (B, N)."""
+    return (slots if rows is None else rows) + i
 
 
 @torch.no_grad()
@@ -125,11 +168,17 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     all_logits = []
     if norm is None:
         norm = float(mask[:, 2:].sum().clamp_min(1))
-    for i, h in enumerate(unroll(head, tokens, taps, steps)):
+    # The chains some loss reads (None: all, and always so for `return_logits`).
+    chains = None if return_logits else chain_rows(mask, steps)  # (B, N)
+    if chains is not None:  # slot t of sequence b -> its place in the packed chains
+        place = torch.full((B, R), -1, dtype=torch.long, device=tokens.device)
+        place.scatter_(1, chains, torch.arange(chains.shape[1], device=tokens.device).expand_as(chains))
+    for i, h in enumerate(unroll(head, tokens, taps, steps, chains)):
         # Rows whose prediction carries loss: logits only there (prompt rows feed the chain but
         # predict nothing worth learning), the lm_head being most of a step's work.
         rows = (t_idx + 2 + i < T) & mask[b_idx, (t_idx + 2 + i).clamp_max(T - 1)]  # (B*R,)
         bi, ti = b_idx[rows], t_idx[rows]
+        hi = ti if chains is None else place[bi, ti]  # (rows,) into h's second axis
         if return_logits:
             full = head.lm_head(head.norm(h))  # (B, R, dv)
             all_logits.append(full.detach())
@@ -138,7 +187,7 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
         # faulting in on first touch, which made the loss ~2.5x slower than on reused memory.
         for c in torch.split(torch.arange(bi.numel(), device=tokens.device), CHUNK_ROWS):
             cb, ct = bi[c], ti[c]
-            logits = full[cb, ct] if return_logits else head.lm_head(head.norm(h[cb, ct]))  # (c, dv)
+            logits = full[cb, ct] if return_logits else head.lm_head(head.norm(h[cb, hi[c]]))  # (c, dv)
             # Soft cross-entropy to the target's distribution at position t+1+i.
             ce = F.cross_entropy(logits.float(), target_p[cb, ct + 1 + i], reduction="sum")
             if hard:
