@@ -413,7 +413,8 @@ def train(args, cooldown: bool) -> None:
            "--epochs", "1000", "--max-steps", str(args.steps), "--lr", str(args.lr),
            "--warmup", "20", "--schedule", "linear" if cooldown else "constant", "--autocast",
            "--threads", str(args.threads), "--ckpt-every", "50", "--eval-every", str(args.eval_every),
-           "--seed", str(args.seed), "--hard-loss", str(args.hard_loss), *resume,
+           "--seed", str(args.seed), "--hard-loss", str(args.hard_loss), "--echo", str(args.echo),
+           *resume,
            *(["--store-topk", "64"] if args.features == "offline" else [])]
     print(" ".join(cmd), flush=True)
     t0 = time.time()
@@ -431,6 +432,7 @@ def train(args, cooldown: bool) -> None:
              **({"weights": {k: w for k, w in sources.items() if w > 1}, "samples": n}
                 if n != unique_n else {}),
              "prompts": unique_n, "response_tokens": unique_response, "steps": report["steps"], "batch": 8,
+             **({"echo": args.echo} if args.echo > 1 else {}),
              "token_passes": round(report["steps"] * 8 * response / n), "lr": args.lr,
              "seed": args.seed, "hours": round((time.time() - t0) / 3600, 2),
              "train_heldout_simulated_tau": report.get("simulated_tau"),
@@ -589,6 +591,9 @@ def main() -> int:
                             "trains each prompt of a source N times a pass (e.g. code:2 keeps the "
                             "code share as more chat data arrives)")
         t.add_argument("--hard-loss", type=float, default=0.0, help="train-draft --hard-loss")
+        t.add_argument("--echo", type=int, default=1, metavar="E",
+                       help="train-draft --echo: E optimizer steps on each batch's target features "
+                            "(token passes then count the echoes)")
         t.add_argument("--trial", default=None, metavar="NAME",
                        help="an A/B arm: train into out/campaign/NAME, log it, keep the campaign's head")
         t.add_argument("--from-scratch", action="store_true",

@@ -220,6 +220,42 @@ def test_one_step_lowers_the_loss(target_dir, data_file, tmp_path):
     assert l1 < l0 - 1e-3, (l0, l1)
 
 
+def test_echo_trains_each_batch_e_times_and_resumes_mid_batch(target_dir, data_file, tmp_path):
+    """--echo 2: steps 1 and 2 train on the first batch's features (an epoch of six one-sample
+    batches is 12 steps); a run stopped after step 3, between the two steps on the second
+    batch, resumes to the uninterrupted run's head and log, bit for bit."""
+    kw = dict(batch=1, lr=3e-3, eval_every=0, epochs=1, max_steps=None, schedule="constant")
+    echo = train_draft(args_for(target_dir, data_file, tmp_path / "echo", echo=2, **kw))
+    assert echo["steps"] == 2 * len(PROMPTS)
+    train_draft(args_for(target_dir, data_file, tmp_path / "one", stop_after=1, **kw))
+    target = load_target(target_dir)
+    samples, ids, d2t, t2d, _ = prepare(args_for(target_dir, data_file, tmp_path / "one", **kw), target, 0)
+
+    def losses(state: dict | None) -> list[float]:  # each sample's loss as a one-sample batch
+        head = new_head(target, ids, d2t, t2d, target.tap_layers, 0)
+        attach_head(head, target)
+        if state is not None:
+            head.load_state_dict(state)
+        out = []
+        for s in samples:
+            tokens, mask = collate([s])
+            tlogits, taps = target_forward(target, tokens, ids)
+            with torch.no_grad():
+                out.append(float(ttt_loss(head, tokens, mask, taps, tlogits, steps=4)[0]))
+        return out
+
+    log = echo["log"]
+    first = [i for i, x in enumerate(losses(None)) if x == pytest.approx(log[0]["loss"], rel=1e-5)]
+    assert len(first) == 1  # the sample of batch 1
+    after_one = losses(ckpt_head(tmp_path / "one"))  # the head after step 1, as echo's
+    assert log[1]["loss"] == pytest.approx(after_one[first[0]], rel=1e-5)  # the same batch again
+    train_draft(args_for(target_dir, data_file, tmp_path / "cut", echo=2, stop_after=3, **kw))
+    resumed = train_draft(args_for(target_dir, data_file, tmp_path / "cut", echo=2, resume=True, **kw))
+    assert resumed["log"] == log
+    for k, v in ckpt_head(tmp_path / "echo").items():
+        assert torch.equal(v, ckpt_head(tmp_path / "cut")[k]), k
+
+
 # -- overfit: training accuracy == inference acceptance -----------------------------------------
 def simulate_chain(x: list[int], n: int, new: int, k_max: int, ok, stop: set[int]) -> dict:
     """The chain runner's stats predicted from training-time correctness ok(row, step).

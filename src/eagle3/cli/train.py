@@ -18,7 +18,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         target=args.target, data=args.data, out=args.out, draft_vocab=args.draft_vocab,
         ttt_steps=args.ttt_steps, epochs=args.epochs, max_steps=args.max_steps, lr=args.lr,
         schedule=args.schedule, store_topk=args.store_topk, hard_loss=args.hard_loss,
-        batch=args.batch, warmup=args.warmup, grad_clip=args.grad_clip, seed=args.seed,
+        batch=args.batch, echo=args.echo, warmup=args.warmup, grad_clip=args.grad_clip, seed=args.seed,
         resume=args.resume, ckpt_every=args.ckpt_every, prompt_len=args.prompt_len,
         response_len=args.response_len, prompts_per_file=args.prompts_per_file,
         regen_batch=args.regen_batch, regen_chunk=args.regen_chunk,
@@ -66,6 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "same schedule)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch", type=int, default=16, help="sequences per step (global)")
+    t.add_argument("--echo", type=int, default=1, metavar="E",
+                   help="optimizer steps on each batch's target features (data echoing): the "
+                        "target's forward is most of an online step on a CPU, so E > 1 buys more "
+                        "steps per hour for repeated data; an epoch becomes E times as many steps "
+                        "(default 1: every step a fresh batch)")
     t.add_argument("--warmup", type=int, default=50, help="linear warmup steps before --schedule")
     t.add_argument("--schedule", choices=("cosine", "constant", "linear"), default="cosine",
                    help="the learning rate after warmup: cosine decay to 0 at the last step "

@@ -56,6 +56,7 @@ class TrainArgs:
     schedule: str = "cosine"  # after warmup: cosine (to 0) | constant | linear (to 0: a cool-down)
     hard_loss: float = 0.0  # share of the loss on the sequence's own next token (see ttt_loss)
     batch: int = 16
+    echo: int = 1  # optimizer steps on each batch's target features (data echoing; 1: none)
     warmup: int = 50
     grad_clip: float = 0.5
     weight_decay: float = 0.0
@@ -385,7 +386,7 @@ def train_draft(args: TrainArgs) -> dict:
         raise Eagle3Error(f"--schedule must be one of {', '.join(SCHEDULES)}")
     if args.store_topk and args.features != "offline":
         raise Eagle3Error("--store-topk applies to the offline feature store; add --features offline")
-    for name in ("ttt_steps", "epochs", "batch", "regen_chunk"):
+    for name in ("ttt_steps", "epochs", "batch", "regen_chunk", "echo"):
         if getattr(args, name) < 1:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lm_head_from_target and args.init_from:
@@ -422,7 +423,8 @@ def train_draft(args: TrainArgs) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     held = held_out(samples, args.eval_tokens) if args.eval_every else []
     train_idx = sorted(set(range(len(samples))) - set(held))  # held-out samples are never trained on
-    steps_per_epoch = max(1, len(train_idx) // args.batch)
+    batches_per_epoch = max(1, len(train_idx) // args.batch)
+    steps_per_epoch = batches_per_epoch * args.echo
     total = min(args.max_steps or 10 ** 12, steps_per_epoch * args.epochs)
     store = None
     if args.features == "offline":  # rank 0 writes the memmaps; the others then open them read-only
@@ -451,16 +453,21 @@ def train_draft(args: TrainArgs) -> dict:
     t0, tokens_done = time.time(), 0
     tau = last_sim_tau(log)  # the latest simulated tau (a resumed log's too), for the progress bar
     stop = min(total, args.stop_after) if args.stop_after is not None else total
+    features_of = None  # (epoch, batch) whose features are at hand
     while step < stop:
-        epoch, within = divmod(step, steps_per_epoch)
+        # With --echo E, steps E*n .. E*n+E-1 of an epoch all train on its batch n: the target's
+        # features are a function of the batch alone, so a resumed run recomputes the same ones.
+        epoch, within = divmod(step // args.echo, batches_per_epoch)
         if epoch not in batches:
-            batches = {epoch: epoch_batches(lengths, args.batch, steps_per_epoch, args.seed * 1000 + epoch)}
-        batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
-        tokens, mask = collate([samples[i] for i in batch_idx])
-        if store is None:
-            tlogits, ttaps = target_forward(target, tokens, ids)  # logits over the draft vocab
-        else:
-            ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
+            batches = {epoch: epoch_batches(lengths, args.batch, batches_per_epoch, args.seed * 1000 + epoch)}
+        if features_of != (epoch, within):
+            batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
+            tokens, mask = collate([samples[i] for i in batch_idx])
+            if store is None:
+                tlogits, ttaps = target_forward(target, tokens, ids)  # logits over the draft vocab
+            else:
+                ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
+            features_of = (epoch, within)
         # One normaliser for the global batch, so data-parallel ranks add up exactly.
         norm = mask[:, 2:].sum().float()
         if world > 1:
