@@ -663,6 +663,8 @@ def test_bad_input_is_a_clear_error(target_dir, data_file, text_target, tmp_path
     fails("--schedule must be one of cosine, constant, linear", schedule="step")
     fails("--hard-loss 1.5 must be in 0..1", hard_loss=1.5)
     fails("--store-topk must be >= 0", store_topk=-1, features="offline")
+    fails("--echo must be >= 1", echo=0, out=tmp_path / "echo0")
+    assert not (tmp_path / "echo0").exists()  # an argument error leaves no output folder behind
 
 
 def test_cli_bad_input_exits_2_without_traceback(target_dir, data_file, tmp_path):

@@ -375,8 +375,6 @@ def train_draft(args: TrainArgs) -> dict:
     rank, world = _dist()
     steady_allocator()  # ragged batches for hours: keep the last step as fast as the first
     out = Path(args.out)
-    check_writable(out)  # before loading anything
-    check_writable(out / "data")
     if args.features not in ("online", "offline"):
         raise Eagle3Error("--features must be 'online' or 'offline'")
     if not 0.0 <= args.hard_loss <= 1.0:
@@ -396,6 +394,8 @@ def train_draft(args: TrainArgs) -> dict:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
+    check_writable(out)  # before loading anything, after the checks that create nothing
+    check_writable(out / "data")
     target = load_target(args.target, dtype=args.dtype, max_seq_len=args.max_seq_len)
     V = target.config.vocab_size
     if not 1 <= args.draft_vocab <= V:  # before the (possibly long) regeneration
