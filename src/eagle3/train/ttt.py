@@ -78,8 +78,10 @@ def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: i
     def pick(x: torch.Tensor) -> torch.Tensor:  # (B, R, D) -> (B, N, D), the chains run
         return x if rows is None else x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
 
-    def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x (B, heads, N|R, hd)
-        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), g.dtype)
+    scale = hd ** -0.5
+
+    def rope(x: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # x (B, heads, N|R, hd)
+        cos, sin = head.rope(pos.clamp_max(head.max_len - 1), dtype)
         if pos.dim() == 2:  # per-chain positions (B, N): (B, 1, N, hd)
             cos, sin = cos[:, None], sin[:, None]
         return x * cos + rotate_half(x) * sin
@@ -91,21 +93,23 @@ def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: i
         step_tokens = _shift(tokens[:, 1:], i)  # (B, R): x_{t+1+i}
         if i > 0 and rows is not None:
             step_tokens = step_tokens.gather(1, rows)  # (B, N)
+        pos = (slots if rows is None else rows) + i  # step i's chain positions: (R,) or (B, N)
+        dtype = g.dtype  # the previous step's features' (the rotation's dtype, as inference's)
         a, residual = layer.mix(head.embed_tokens(step_tokens), g)  # g: (B, R|N, H)
         if i == 0:  # every row's keys: the teacher-forced prefix the chains attend to
-            k = rope(attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2), slots)
+            k = rope(attn.k_proj(a).view(B, R, nkv, hd).transpose(1, 2), slots, dtype)
             v = attn.v_proj(a).view(B, R, nkv, hd).transpose(1, 2)
             a, residual = pick(a), pick(residual)
         else:
-            k = rope(attn.k_proj(a).view(B, N, nkv, hd).transpose(1, 2), _pos(rows, slots, i))
+            k = rope(attn.k_proj(a).view(B, N, nkv, hd).transpose(1, 2), pos, dtype)
             v = attn.v_proj(a).view(B, N, nkv, hd).transpose(1, 2)
-        q = rope(attn.q_proj(a).view(B, N, nh, hd).transpose(1, 2), _pos(rows, slots, i))
+        q = rope(attn.q_proj(a).view(B, N, nh, hd).transpose(1, 2), pos, dtype)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)  # (B, nh, ., hd)
         keys.append(k)
         values.append(v)
-        s0 = (q @ keys[0].transpose(-1, -2)) * (hd ** -0.5)  # (B, nh, N, R): teacher-forced prefix
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, N, R): teacher-forced prefix
         s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [(q * kj).sum(-1, keepdim=True) * (hd ** -0.5) for kj in keys[1:]]  # own chain
+        diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # own chain
         w = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
         out = w[..., :R] @ values[0]
         for j, vj in enumerate(values[1:]):
@@ -113,11 +117,6 @@ def unroll(head: Eagle3Draft, tokens: torch.Tensor, taps: torch.Tensor, steps: i
         out = out.transpose(1, 2).reshape(B, N, nh * hd)
         g = layer.finish(residual, attn.o_proj(out))  # (B, N, H)
         yield g
-
-
-def _pos(rows: torch.Tensor | None, slots: torch.Tensor, i: int) -> torch.Tensor:
-    """Positions of step i's chains: slot + i, (R,) or per chain (B, N)."""
-    return (slots if rows is None else rows) + i
 
 
 @torch.no_grad()
