@@ -6,6 +6,7 @@ what the repository holds (models/default/campaign/).
     python recipes/campaign.py train --steps 2000      # continue the main run (constant lr)
     python recipes/campaign.py cooldown --steps 300    # a shippable branch (lr decays to 0)
     python recipes/campaign.py curve                   # the held-out simulated tau along the way
+    python recipes/campaign.py measure --head DIR      # a head's yardsticks (default: the shipped head)
 
 Data: every user turn of the ShareGPT training split (the conversation up to that turn, with
 ShareGPT's own earlier replies, chat-templated, at most 1,024 tokens) and 3,000 code-completion
@@ -357,10 +358,11 @@ def prepare_run(run: Path, sources: dict[str, int]) -> dict:
 
 
 def held_out_tau(head: Path) -> dict:
-    """The simulated tau of `head` on 64 held-out ShareGPT prompts and 64 HumanEval prompts (128
-    new tokens each, the answers cached in out/campaign/eval and eval-humaneval): the campaign's
-    fixed yardsticks between stages (the code prompts are standard-library functions, never
-    HumanEval's)."""
+    """The simulated and walked tau of `head` on 64 held-out ShareGPT prompts and 64 HumanEval
+    prompts (128 new tokens each, the float32 target's answers cached in out/campaign/eval and
+    eval-humaneval), and the tau `eagle3 bench` measures on the same prompts (`measured_tau`):
+    the campaign's fixed yardsticks between stages (the code prompts are standard-library
+    functions, never HumanEval's)."""
     out = {}
     for prompts, cache, name in (("sharegpt-heldout", "eval", "sharegpt"),
                                  ("humaneval", "eval-humaneval", "humaneval")):
@@ -371,7 +373,31 @@ def held_out_tau(head: Path) -> dict:
         out[f"heldout_{name}_simulated_tau"] = r["simulated_tau"]
         out[f"heldout_{name}_share_first_k_right"] = r["share_first_k_right"]
         out[f"heldout_{name}_walked_tau"] = r["walked_tau"]
+        out[f"heldout_{name}_measured_tau"] = measured_tau(head, prompts)
     return out
+
+
+MEASURE_K = (2, 4)
+
+
+def measured_tau(head: Path, prompts: str, *, target: str = "default", limit: int = 64, new_tokens: int = 128,
+                 ks: tuple[int, ...] = MEASURE_K, json_path: Path | None = None) -> dict:
+    """`eagle3 bench`'s tau of `head` alone, greedy chains of K = `ks`, on `prompts`: the issue's
+    own measure, decoded as the default runs for a user (`--quantize auto`: the GGUF's codes, the
+    head in the format decoding gives it), where the simulated and walked tau read the float32
+    target's answers (docs/training.md, "What the yardsticks read"). Returns {"k", "tau",
+    "outputs_identical"}."""
+    out = json_path or WORK / "measured.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "eagle3", "bench", "--target", target, "--draft", str(head),
+           "--prompts", prompts, "--limit", str(limit), "--max-new-tokens", str(new_tokens),
+           "--num-draft-tokens", ",".join(map(str, ks)), "--tree", "none", "--proposer", "eagle",
+           "--peers", "none", "--repeats", "1", "--threads", "2", "--json", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    rows = {r["k"]: r for r in report["rows"] if r["arm"] != "plain"}
+    return {"k": list(ks), "tau": [round(rows[k]["mean_accept_len"], 4) for k in ks],
+            "outputs_identical": report["outputs_identical"]}
 
 
 def eval_curve(report: dict) -> list[list[float]]:
@@ -560,12 +586,21 @@ def status(args) -> None:
         print((CAMPAIGN / "log.jsonl").read_text(), end="")
 
 
+def measure(args) -> None:
+    """Every yardstick of `held_out_tau` for one head (the shipped one by default), as JSON: a
+    candidate and the shipped head measured on the same machine for the shipping rule."""
+    print(json.dumps({"head": str(args.head), **held_out_tau(Path(args.head))}))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="stage", required=True)
     sub.add_parser("status")
     c = sub.add_parser("curve", help="plot the held-out simulated tau along the campaign")
     c.add_argument("--goal", type=float, default=3.0, help="the tau (K=6) to project (default 3.0)")
+    m = sub.add_parser("measure", help="a head's held-out simulated, walked and measured tau")
+    m.add_argument("--head", default=str(ROOT / "models/default/head"),
+                   help="head directory (default: the shipped default head)")
     r = sub.add_parser("regen")
     r.add_argument("--minutes", type=float, default=60)
     r.add_argument("--batch", type=int, default=128)
@@ -612,6 +647,8 @@ def main() -> int:
         status(args)
     elif args.stage == "curve":
         curve(args)
+    elif args.stage == "measure":
+        measure(args)
     elif args.stage == "regen":
         regen(args)
     else:

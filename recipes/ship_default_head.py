@@ -93,6 +93,15 @@ def campaign_data(report: dict, a: dict, total: int, response: int, longest: int
   campaign, `recipes/campaign.py curve`)."""
 
 
+def measured(e: dict) -> str:
+    """A stage's `eagle3 bench` tau on both yardsticks' prompts (logged since session 27)."""
+    m = [e.get(f"heldout_{name}_measured_tau") for name in ("sharegpt", "humaneval")]
+    if not all(m):
+        return ""
+    ks = "/".join(map(str, m[0]["k"]))
+    return f"; measured (`eagle3 bench`) K={ks} {m[0]['tau']} ShareGPT, {m[1]['tau']} HumanEval"
+
+
 def campaign_lines(log: Path) -> str:
     """The card's account of a `recipes/campaign.py` head: every stage the log holds."""
     out = ["- Campaign (`recipes/campaign.py`, continuing the first default head; data: the "
@@ -113,7 +122,7 @@ def campaign_lines(log: Path) -> str:
             out.append(f"  - {e['date']} {e['stage']}{' ' + e['trial'] if e.get('trial') else ''}: "
                        f"{e['steps']} steps over {e['prompts']} prompts{sources} ({e['response_tokens']:,} "
                        f"response tokens), lr {e['lr']}, hard-loss {e.get('hard_loss', 0)}, "
-                       f"{e['hours']} h{on}; held-out simulated tau K=1..6 {tau}")
+                       f"{e['hours']} h{on}; held-out simulated tau K=1..6 {tau}{measured(e)}")
     return "\n".join(out) + "\n"
 
 

@@ -949,6 +949,22 @@ def test_shipped_card_names_the_stage_s_sampled_answers(tmp_path):
     assert "sampled" not in plain and "(150 samples" not in plain
 
 
+def test_shipped_card_lists_a_stage_s_measured_tau_when_logged(tmp_path):
+    """recipes/ship_default_head.py: a stage line of the card adds `eagle3 bench`'s measured tau
+    on both sets when the log holds it (stages since session 27), and nothing for older ones."""
+    ship = load_recipe("ship_default_head")
+    base = {"stage": "cooldown", "date": "d", "steps": 200, "prompts": 10, "response_tokens": 1000,
+            "lr": 4e-4, "hours": 0.3, "heldout_sharegpt_simulated_tau": [1.5, 2.0]}
+    new = {**base, "heldout_sharegpt_measured_tau": {"k": [2, 4], "tau": [1.96, 2.29]},
+           "heldout_humaneval_measured_tau": {"k": [2, 4], "tau": [2.15, 2.57]}}
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(base) + "\n" + json.dumps(new) + "\n")
+    old_line, new_line = ship.campaign_lines(log).splitlines()[1:]
+    assert "measured" not in old_line
+    assert new_line.endswith("[1.5, 2.0]; measured (`eagle3 bench`) K=2/4 [1.96, 2.29] ShareGPT, "
+                             "[2.15, 2.57] HumanEval")
+
+
 def test_campaign_sources_take_a_weight_per_source():
     """recipes/campaign.py --sources: NAME:N trains each prompt of a source N times a pass; an
     unknown source or a weight that is not a whole number 1-8 stops with a one-line message."""
@@ -1002,3 +1018,29 @@ def test_campaign_stage_takes_the_sampled_answers_after_the_greedy_ones(target_d
                         chunk_size=2, cached_only=True, progress=False)
     want = [p + greedy(target_dir, p, 12) for p in order[:6]] + [s.tokens.tolist() for s in sampled]
     assert [s.tokens.tolist() for s in stored] == want
+
+
+def test_campaign_measured_tau_is_the_bench_s_chain_tau(tmp_path):
+    """recipes/campaign.py `measured_tau`: `eagle3 bench`'s tau of the head alone per chain K,
+    read from its JSON: equal to 1 + accepted / rounds counted from the same head's own greedy
+    generations (a head right at alternate positions: K = 2 and 3 accept differently)."""
+    from eagle3.draft import save_head
+    from heads import save_context_target, scripted_head
+
+    campaign = load_campaign()
+    target, head = str(tmp_path / "target"), str(tmp_path / "head")
+    prompts = [[5, 17, 3, 99, 42, 7], [11, 60, 23]]
+    save_context_target(target)
+    save_head(scripted_head(load_target(target), prompts, 24, "mixed"), head, "speculators",
+              include_embedding=True)
+    file = write_jsonl(tmp_path / "p.jsonl", [{"prompt_ids": p} for p in prompts])
+    got = campaign.measured_tau(Path(head), file, target=target, limit=2, new_tokens=16, ks=(2, 3),
+                                json_path=tmp_path / "bench.json")
+    spec = eagle3.load(target, head)
+    want = []
+    for k in (2, 3):
+        runs = [spec.generate(p, 16, num_draft_tokens=k, proposer="eagle").stats for p in prompts]
+        want.append(1 + sum(s["accepted_tokens"] for s in runs) / sum(s["rounds"] for s in runs))
+    assert got["k"] == [2, 3] and got["outputs_identical"] is True
+    assert got["tau"] == pytest.approx(want, abs=1e-4)
+    assert want[0] != want[1] and 1 < min(want)

@@ -1,0 +1,93 @@
+"""The head's weight format on the default's GGUF target: int4 (what `quantize="gguf"` gives the
+head, `kernels.prepare_target`) against int8, the head alone, greedy chains of K = 2 and 3.
+
+    python recipes/head_format_speed.py [--limit 24] [--max-new-tokens 128] [--repeats 3]
+        [--head models/default/head] [--json docs/bench/head-format-gguf.json]
+
+One process: plain decoding and the four arms take turns on each prompt set, `--repeats`
+times; tokens/s are medians over the repeats, tau counted over the first repeat, and every
+greedy output is compared with plain decoding's. `eagle3.load` has no knob for the head's
+format alone (it follows the target's), so the int8 arm swaps the format the loader asks
+for while it builds that one speculator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import eagle3  # noqa: E402
+import eagle3.kernels.steps as steps  # noqa: E402
+from eagle3.bench.prompts import read_prompt_records  # noqa: E402
+from eagle3.tokenizer import load_tokenizer  # noqa: E402
+from eagle3.train.data import prompt_from_record  # noqa: E402
+
+
+def load(head: str, head_format: str):
+    """The default target with its GGUF codes and `head` in `head_format`."""
+    quantize_model = steps.quantize_model
+
+    def head_in(model, fmt, group=None, layer=None):
+        if fmt == "int4" and layer is None and hasattr(model, "midlayer"):  # the head's call
+            return quantize_model(model, head_format, None)
+        return quantize_model(model, fmt, group, layer)
+
+    steps.quantize_model = head_in
+    try:
+        return eagle3.load("default", head, quantize="gguf")
+    finally:
+        steps.quantize_model = quantize_model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--head", default="models/default/head")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    tok = load_tokenizer("default")
+    prompts = [prompt_from_record(rec, tok, where)
+               for where, rec in read_prompt_records("sharegpt-heldout", args.limit)]
+    specs = {fmt: load(args.head, fmt) for fmt in ("int4", "int8")}
+    plain = eagle3.load("default", "none", quantize="gguf")
+    arms = [("plain", None, 0)] + [(f"{fmt} K={k}", fmt, k) for k in (2, 3) for fmt in ("int4", "int8")]
+    rates = {arm: [] for arm, _, _ in arms}
+    counts = {arm: [0, 0] for arm, _, _ in arms}  # rounds, accepted drafts
+    reference, identical = {}, True
+    for rep in range(args.repeats):
+        for arm, fmt, k in arms:
+            t0, tokens = time.perf_counter(), 0
+            for i, p in enumerate(prompts):
+                r = (specs[fmt].generate(p, args.max_new_tokens, proposer="eagle", num_draft_tokens=k)
+                     if k else plain.generate(p, args.max_new_tokens))
+                tokens += len(r.token_ids)
+                if not k:
+                    reference[i] = r.token_ids
+                    continue
+                identical &= r.token_ids == reference[i]
+                if rep == 0:
+                    counts[arm][0] += r.stats["rounds"]
+                    counts[arm][1] += r.stats["accepted_tokens"]
+            rates[arm].append(tokens / (time.perf_counter() - t0))
+            print(f"{arm} repeat {rep}: {rates[arm][-1]:.1f} tok/s", flush=True)
+    median = {arm: round(statistics.median(v), 1) for arm, v in rates.items()}
+    out = {"prompts": args.limit, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "head": args.head, "outputs_identical": identical, "tokens_per_s_median": median,
+           "tau": {arm: round(1 + a / r, 4) for arm, (r, a) in counts.items() if r},
+           "speedup": {arm: round(v / median["plain"], 3) for arm, v in median.items()}}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
