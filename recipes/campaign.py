@@ -589,6 +589,9 @@ def status(args) -> None:
 def measure(args) -> None:
     """Every yardstick of `held_out_tau` for one head (the shipped one by default), as JSON: a
     candidate and the shipped head measured on the same machine for the shipping rule."""
+    if not (Path(args.head) / "config.json").is_file():
+        sys.exit(f"--head {args.head}: not a head directory (config.json + weights); pass an EAGLE-3 "
+                 "head's folder, e.g. models/default/campaign/candidate/head")
     print(json.dumps({"head": str(args.head), **held_out_tau(Path(args.head))}))
 
 
