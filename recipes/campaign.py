@@ -76,8 +76,8 @@ CODE_LIMIT = 3000
 
 
 def function_stubs(root: Path, skip_parts: tuple[str, ...] = (), *,
-                   skip_private: bool = False) -> list[tuple[str, int, str]]:
-    """(file, line, stub) for each public function under `root` with a docstring of 2-25 lines:
+                   skip_private: bool = False) -> list[tuple[str, int, str, str]]:
+    """(file, line, name, stub) for each public function under `root` with a docstring of 2-25 lines:
     its signature and docstring, dedented, the body left for the target to write (HumanEval's
     shape). Files in a folder named in `skip_parts` (or `test`/`tests`) are skipped, and with
     `skip_private` those in a private folder or module (a name starting with `_`; `__init__.py`
@@ -106,7 +106,7 @@ def function_stubs(root: Path, skip_parts: tuple[str, ...] = (), *,
             if not doc or not 2 <= doc.count("\n") + 1 <= 25 or not node.body:
                 continue
             head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno])  # signature + docstring
-            found.append((str(rel), node.lineno, textwrap.dedent(head) + "\n"))
+            found.append((str(rel), node.lineno, node.name, textwrap.dedent(head) + "\n"))
     return found
 
 
@@ -118,16 +118,21 @@ def stdlib_code_prompts() -> list[str]:
 
     found = function_stubs(Path(sysconfig.get_paths()["stdlib"]), ("idlelib", "site-packages", "lib2to3"))
     pick = random.Random(SEED).sample(range(len(found)), min(CODE_LIMIT, len(found)))
-    return [found[i][2] for i in sorted(pick)]
+    return [found[i][3] for i in sorted(pick)]
+
+
+def committed_prompts(path: Path, make) -> list[str]:
+    """The prompts in `path` (JSON lines), made once by `make()` on the first machine that needs
+    them and committed, so every machine regenerates the same prompts."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make()))
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
 
 
 def code_prompts() -> list[str]:
-    """The campaign's code prompts: CAMPAIGN/code_prompts.jsonl, made once from this machine's
-    standard library and committed, so every machine regenerates the same prompts."""
-    if not CODE_PROMPTS.is_file():
-        CODE_PROMPTS.parent.mkdir(parents=True, exist_ok=True)
-        CODE_PROMPTS.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in stdlib_code_prompts()))
-    return [json.loads(line)["prompt"] for line in CODE_PROMPTS.read_text().splitlines() if line]
+    """The campaign's code prompts: CAMPAIGN/code_prompts.jsonl, from the standard library."""
+    return committed_prompts(CODE_PROMPTS, stdlib_code_prompts)
 
 
 LIB_CODE_PROMPTS = CAMPAIGN / "libcode_prompts.jsonl"
@@ -145,7 +150,6 @@ def library_code_prompts(site: Path | None = None, avoid: set[str] = frozenset()
     drawn per package so that no one library's style takes over, leaving out stubs in `avoid`
     (the standard-library prompts) and functions named in `avoid_names` (HumanEval's); a seeded
     draw of LIB_LIMIT of them, in package, file and line order."""
-    import re
     import sysconfig
 
     site = site or Path(sysconfig.get_paths()["purelib"])
@@ -154,9 +158,9 @@ def library_code_prompts(site: Path | None = None, avoid: set[str] = frozenset()
     for pkg in sorted(p for p in site.iterdir() if p.is_dir()):
         if pkg.name.startswith("_") or "." in pkg.name or pkg.name in LIB_SKIP:
             continue
-        stubs = [s for _, _, s in function_stubs(pkg, LIB_SKIP, skip_private=True)
-                 if s not in avoid and s.startswith("def ")
-                 and re.match(r"def\s+(\w+)", s).group(1) not in avoid_names]
+        # a stub that does not start with `def` kept its indentation (a docstring line left of it)
+        stubs = [s for _, _, name, s in function_stubs(pkg, LIB_SKIP, skip_private=True)
+                 if s not in avoid and s.startswith("def ") and name not in avoid_names]
         stubs = list(dict.fromkeys(stubs))  # a package's copies of one function count once
         pick = sorted(rng.sample(range(len(stubs)), min(LIB_PER_PACKAGE, len(stubs))))
         pool += [stubs[i] for i in pick]
@@ -174,13 +178,10 @@ def humaneval_function_names() -> set[str]:
 
 
 def lib_code_prompts() -> list[str]:
-    """The `libcode` source's prompts: CAMPAIGN/libcode_prompts.jsonl, made once from this
-    machine's site-packages (`library_code_prompts`) and committed, so every machine regenerates
-    the same prompts."""
-    if not LIB_CODE_PROMPTS.is_file():
-        stubs = library_code_prompts(avoid=set(code_prompts()), avoid_names=humaneval_function_names())
-        LIB_CODE_PROMPTS.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in stubs))
-    return [json.loads(line)["prompt"] for line in LIB_CODE_PROMPTS.read_text().splitlines() if line]
+    """The `libcode` source's prompts: CAMPAIGN/libcode_prompts.jsonl, from the site-packages of
+    the machine that made them (`library_code_prompts`)."""
+    return committed_prompts(LIB_CODE_PROMPTS, lambda: library_code_prompts(
+        avoid=set(code_prompts()), avoid_names=humaneval_function_names()))
 
 
 # The greedy sources in the campaign's order: FIRST_SOURCES one after the other, with `continued`
