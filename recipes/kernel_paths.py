@@ -41,6 +41,26 @@ def stream_pass(layers: list[QLinear], xs: dict[int, torch.Tensor]) -> None:
         op(xs[q.in_features], q.w, q.scale, q.offset, FMT_ID[q.fmt], BLOCK, q.out_features)
 
 
+def read_bandwidth(nbytes: int, runs: int = 9) -> float:
+    """GB/s of `torch.sum` over a float32 buffer of `nbytes` (a plain streaming read)."""
+    buf = torch.ones(nbytes // 4)
+    buf.sum()
+    return round(nbytes / statistics.median(timed(buf.sum) for _ in range(runs)) / 1e9, 2)
+
+
+def by_type(layers: list[QLinear], x: dict[int, torch.Tensor]) -> dict:
+    """GB/s of each layer type's layers called back to back at M = 1 (medians of RUNS)."""
+    names = ("qkv", "o", "gate_up", "down")
+    groups = {n: layers[i:-1:4] for i, n in enumerate(names)} | {"lm_head": layers[-1:]}
+    out = {}
+    for name, group in groups.items():
+        nbytes = sum(q.nbytes for q in group)
+        stream_pass(group, x)
+        ms = statistics.median(timed(lambda: stream_pass(group, x)) for _ in range(RUNS)) * 1e3  # noqa: B023
+        out[name] = {"bytes": nbytes, "ms": round(ms, 3), "GB_per_s": round(nbytes / ms / 1e6, 2)}
+    return out
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -87,6 +107,9 @@ def main() -> None:
             if kind == "stream":
                 row[kind]["GB_per_s_at_1"] = round(nbytes / ms[1] / 1e6, 2)
         out["paths"][p] = row
+    out["read_GB_per_s"] = {"96MB": read_bandwidth(96 << 20), "400MB": read_bandwidth(400 << 20)}
+    with use_isa(paths[0]):
+        out["by_type"] = {"path": paths[0], **by_type(layers, xs[1])}
     print(json.dumps(out, indent=1))
 
 

@@ -171,7 +171,11 @@ def test_argmax_is_torchs_on_every_path(path):
     cases += [torch.randn(n, generator=g) for n in (1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 8193)]
     late = torch.randn(50, generator=g)
     late[49] = 9.0  # the maximum in the tail after the last full vector
-    cases.append(late)
+    tail_nan = torch.randn(53, generator=g)
+    tail_nan[52] = float("nan")  # past every full vector of 8 and of 16 lanes
+    lanes = torch.zeros(40)
+    lanes[[13, 3, 29]] = 2.0  # equal maxima in different lanes: the smallest index wins
+    cases += [late, tail_nan, lanes]
     with use_isa(path):
         for x in cases:
             got = torch.ops.eagle3.argmax(x)

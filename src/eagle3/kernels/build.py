@@ -18,7 +18,7 @@ from ..errors import Eagle3Error
 ISA_PATHS = ("avx512", "avxvnni", "avx2", "scalar")
 _DIR = Path(__file__).parent
 _SOURCE = _DIR / "kernels.cpp"
-_HEADERS = (_DIR / "float_body.h", _DIR / "qlinear256.h")
+_HEADERS = tuple(sorted(_DIR.glob("*.h")))  # common.h, one per path, the shared bodies
 
 
 _STATUS: str | None = None
