@@ -42,16 +42,17 @@ struct QCall {
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 // torch.argmax over one row: the first maximum, or the first NaN.
-int64_t scalar_argmax(const float* x, int64_t n) {
-  int64_t r = 0;
-  float bv = x[0];
-  if (std::isnan(bv)) return 0;
-  for (int64_t i = 1; i < n; ++i) {
+// torch.argmax's scan of x[i..n) given the maximum m so far, first seen at r (no NaN before i):
+// the first maximum, or the first NaN. The vector paths finish their tails with it.
+inline int64_t argmax_from(const float* x, int64_t i, int64_t n, float m, int64_t r) {
+  for (; i < n; ++i) {
     if (std::isnan(x[i])) return i;
-    if (x[i] > bv) { bv = x[i]; r = i; }
+    if (x[i] > m) { m = x[i]; r = i; }
   }
   return r;
 }
+
+int64_t scalar_argmax(const float* x, int64_t n) { return std::isnan(x[0]) ? 0 : argmax_from(x, 1, n, x[0], 0); }
 
 // Bytes of codes per 16 columns x 32 inputs.
 inline int64_t tile_bytes(int64_t fmt) { return fmt == INT8 ? 512 : 256; }

@@ -137,11 +137,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   int64_t r = n;
   for (int l = 0; l < 8; ++l)
     if (bv[l] == m && bi[l] < r) r = bi[l];
-  for (; i < n; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > m) { m = x[i]; r = i; }
-  }
-  return r;
+  return argmax_from(x, i, n, m, r);
 }
 
 }  // namespace isa_avx2

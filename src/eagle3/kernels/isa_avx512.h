@@ -177,13 +177,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   if (nan) return scalar_argmax(x, n);
   const float m = _mm512_reduce_max_ps(best);
   const __mmask16 is_m = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  int64_t r = _mm512_mask_reduce_min_epi32(is_m, at);
-  float bv = m;
-  for (; i < n; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > bv) { bv = x[i]; r = i; }
-  }
-  return r;
+  return argmax_from(x, i, n, m, _mm512_mask_reduce_min_epi32(is_m, at));
 }
 
 }  // namespace isa_avx512
