@@ -5,9 +5,9 @@
 For every instruction-set path the CPU runs (`kernels.isa_paths()`):
 - `stream`: the SmolLM2-135M linear layers (30 x qkv 576->960, o 576->576, gate_up 576->3072,
   down 1536->576 in int4 = Q4_1, and the tied 576->49152 LM head in int8 = Q8_0; ~97 MB, more
-  than the last-level cache), called back to back through the op for M = 1..16 rows: ms per
+  than the last-level cache), called back to back through the op for M = 1..24 rows: ms per
   pass, effective GB/s, and cost(M) / cost(1);
-- `forward`: the default target (its GGUF codes) over T = 1..16 new tokens at position 64, eager,
+- `forward`: the default target (its GGUF codes) over T = 1..24 new tokens at position 64, eager,
   no taps: ms per forward and cost(T) / cost(1), which is the verify cost a K = T - 1 round pays.
 Medians of 15 runs (3 for the scalar path) after warm-up, the paths interleaved run by run.
 """
@@ -24,7 +24,7 @@ import torch
 import eagle3
 from eagle3.kernels import BLOCK, FMT_ID, QLinear, cpu_name, isa_paths, use_isa
 
-ROWS = (1, 2, 4, 8, 9, 12, 16)
+ROWS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24)
 RUNS = 15
 
 
