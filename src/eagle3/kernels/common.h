@@ -57,13 +57,6 @@ int64_t scalar_argmax(const float* x, int64_t n) { return std::isnan(x[0]) ? 0 :
 // Bytes of codes per 16 columns x 32 inputs.
 inline int64_t tile_bytes(int64_t fmt) { return fmt == INT8 ? 512 : 256; }
 
-// This thread's fp32 accumulators for M rows x 16 columns (grown once, never freed).
-inline float* row_accumulators(int64_t M) {
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < M * 16) buf.resize(M * 16);
-  return buf.data();
-}
-
 // The weights stream from DRAM once per call: ask for a block's codes and scales PREFETCH
 // blocks before they are needed (one block is 320-576 bytes; a DRAM read takes ~100 ns, a
 // block's arithmetic ~20 ns), every cache line of them. Past the end it fetches nothing harmful:

@@ -47,6 +47,13 @@ constexpr int MT = 1;
 constexpr int NB = 1;
 #include "float_body.h"
 
+// This thread's fp32 accumulators for M rows x 16 columns (grown once, never freed).
+inline float* row_accumulators(int64_t M) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < M * 16) buf.resize(M * 16);
+  return buf.data();
+}
+
 void qlinear(const QCall& c, int64_t g0, int64_t g1) {
   const int64_t M = c.M, nb = c.nb;
   const int64_t tile = tile_bytes(c.fmt);

@@ -6,7 +6,8 @@
 // codes (8 columns x 4 inputs) is loaded and decoded once and applied to every row of the chunk,
 // the rows' independent chains side by side. Per row and block an exact int32 sum, then the fp32
 // epilogue in block order as on every path. The first pass over a group (h = 0, the first rows)
-// streams its codes from memory, prefetching ahead; the rest find them in L1.
+// streams its codes from memory, prefetching ahead; the rest find them in L1. A call of one or
+// two rows (a decode step) takes both halves in one pass instead, so that each tile is read once.
 // Needs from the including scope:
 //   Quad, int8_quad(p)                one quad of INT8 codes as the path multiplies them
 //   ZP_INT8                           the zero point an INT8 sum carries (0, or 128 after +128)
