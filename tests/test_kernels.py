@@ -543,6 +543,111 @@ def test_the_heads_layer_runs_as_one_op_with_the_same_bits(quantize, path):
     d.midlayer.fused = True
 
 
+def reference_chain(d, tokens: torch.Tensor, feats: torch.Tensor, start: int, k: int, cache) -> tuple:
+    """The head's catch-up and greedy chain step by step from Python, its layer op by op: the
+    drafts (k,), root logits and feature the one-op chain must give."""
+    d.midlayer.fused = False
+    R = tokens.shape[0]
+    logits, h = d(tokens[None], feats[None], torch.arange(start, start + R), cache, kv_len=start + R)
+    root, bound = logits[0, -1], h[0, -1]
+    lg, ft, drafts = root[None], h[:, -1:], []
+    for i in range(k):
+        tok = d.to_target_ids(lg.argmax(-1))  # (1,)
+        drafts.append(int(tok))
+        if i < k - 1:
+            p = start + R + i
+            out, ft = d(tok[:, None], ft, torch.tensor([p]), cache, kv_len=p + 1)
+            lg = out[:, 0]
+    d.midlayer.fused = True
+    return torch.tensor(drafts), root, bound
+
+
+def head_on(source: str, fmt: str, tmp_path) -> torch.nn.Module:
+    """An EAGLE-3 head ready for the one-op chain: the toy default's in `fmt` (its embedding a
+    float32 table), or a random int4 head on a tied GGUF target of type `fmt` (its embedding the
+    target's LM head codes)."""
+    if source == "toy":
+        return eagle3.load("default", quantize=fmt).draft
+    import gguf
+
+    from eagle3.draft import attach_head
+    from eagle3.kernels import use_fused_steps
+    from eagle3.kernels.formats import quantize_model
+    from gguf_files import write_gguf
+    from heads import random_head
+
+    path = str(tmp_path / "tied.gguf")
+    write_gguf(make_hf_model("llama_tied", seed=6), path, qtype=getattr(gguf.GGMLQuantizationType, fmt))
+    target = eagle3.load(path, "none", quantize="gguf").target
+    head = random_head(target, taps=(1, 3, 5), seed=9, scale=0.3, draft_vocab_size=96)
+    attach_head(head, target)
+    quantize_model(head, "int4", None)
+    use_fused_steps(head)
+    return head
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("source,fmt", [("toy", "int4"), ("toy", "int8"), ("toy", "fp32"),
+                                        ("gguf", "Q8_0"), ("gguf", "Q4_0"), ("gguf", "Q4_1")])
+def test_the_heads_chain_runs_as_one_op_with_the_same_bits(source, fmt, path, tmp_path):
+    """`eagle3::draft_chain` (a catch-up over a backlog and k greedy drafts in one C++ call)
+    gives the drafts, root logits, boundary feature and draft-cache K/V the head gives step by
+    step from Python with its layer op by op, on every path: int4, int8 and float32 heads over a
+    float32 embedding table, and int4 heads over a tied GGUF target's Q8_0 / Q4_0 / Q4_1 codes
+    (a reduced draft vocabulary, through d2t)."""
+    from eagle3.targets.decoder import CodesEmbedding
+
+    d = head_on(source, fmt, tmp_path)
+    assert isinstance(d.embed_tokens, CodesEmbedding) == (source == "gguf")
+    assert d.chain_op_args() is not None
+    H, V = d.config.hidden_size, d.config.vocab_size
+    g = torch.Generator().manual_seed(9)
+    start, R, k = 6, 4, 5
+    prefix = torch.randint(0, V, (1, start), generator=g), torch.randn(1, start, H, generator=g)
+    tokens, feats = torch.randint(0, V, (R,), generator=g), torch.randn(R, H, generator=g)
+    caches = []
+    with torch.no_grad(), use_isa(path):
+        for _ in range(2):
+            caches.append(d.new_cache(1, 32))
+            d(*prefix, torch.arange(start), caches[-1], kv_len=start)
+        got = d.greedy_chain(tokens, feats, start, k, caches[0])
+        want = reference_chain(d, tokens, feats, start, k, caches[1])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert len(set(want[0].tolist())) > 1  # the drafts depend on the steps (not one token repeated)
+    used = start + R + k - 1  # the last draft is never run through the head
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+        assert torch.equal(a[:, :, :used], b[:, :, :used])
+
+
+def test_the_one_op_chain_runs_in_generate_and_only_where_it_applies():
+    """Greedy generation of the default drafts through `eagle3::draft_chain` (one call per round,
+    none per plain step) with output identical to plain decoding; sampled rounds, a stock head
+    and a head past its cache's end step from Python instead."""
+    from torch.profiler import profile
+
+    s = eagle3.load("default")
+    ids = s.tokenizer.encode("Write a haiku about the sea.")
+
+    def calls(**kw) -> tuple[int, dict]:
+        with profile() as prof:
+            r = s.generate(ids, 24, proposer="eagle", **kw)
+        n = sum(e.count for e in prof.key_averages() if e.key == "eagle3::draft_chain")
+        return n, r
+
+    n, r = calls(num_draft_tokens=2)
+    assert n == r.stats["rounds"] and r.token_ids == s.plain().generate(ids, 24).token_ids
+    n, _ = calls(num_draft_tokens=2, temperature=0.8, seed=1)
+    assert n == 0
+    d = s.draft
+    cache = d.new_cache(1, 8)
+    x = torch.zeros(3, d.config.hidden_size)
+    with torch.no_grad():
+        assert d.greedy_chain(torch.ones(3, dtype=torch.long), x, 5, 2, cache) is None  # past the end
+        assert d.greedy_chain(torch.ones(3, dtype=torch.long), x, 4, 2, cache) is not None
+    assert eagle3.load("default", quantize="none").draft.chain_op_args() is None
+
+
 @pytest.fixture(scope="module")
 def ctx_dir(tmp_path_factory):
     """A target whose attention changes its output (tests/heads.py)."""

@@ -296,6 +296,17 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     return best
 
 
+def draft_forward(runner: Runner, seqs: list[SequenceState], tokens: torch.Tensor, feats: torch.Tensor,
+                  layout: Any, context: int) -> None:
+    """A draft forward over T tokens per row and its greedy pick, as rounds run it: a lone row
+    through the runner's one-op chain where it has one (`one_op_chain`: the LM head on the last
+    row only), else the runner's `draft`."""
+    if len(seqs) == 1 and runner.one_op_chain(tokens[0], feats[0], context, 1) is not None:
+        return
+    out, _ = runner.draft(seqs, tokens, feats, layout)
+    out.argmax(-1).tolist()
+
+
 def _time_batch(runner: Runner, seqs: list[SequenceState], context: int, lengths: list[int],
                 repeats: int) -> tuple[list[float], list[float], float]:
     """(verify ms per T, draft ms per T, for T = 1..max(lengths); plain step ms) for these rows
@@ -323,8 +334,7 @@ def _time_batch(runner: Runner, seqs: list[SequenceState], context: int, lengths
             logits.argmax(-1).tolist()
             t1 = time.perf_counter()
             if feats is not None:
-                out, _ = runner.draft(seqs, tokens, feats, layout)
-                out.argmax(-1).tolist()
+                draft_forward(runner, seqs, tokens, feats, layout, context)
             t2 = time.perf_counter()
             if rep:
                 tv[T].append((t1 - t0) * 1e3)

@@ -164,7 +164,17 @@ def draft_tree(runner: Any, rows: list[Any], shape: TreeShape, counts: list[int]
 
 
 def draft_chain_proposal(runner: Any, rows: list[Any], counts: list[int]) -> Proposal:
-    """Each row's chain of counts[g] drafts after its catch-up."""
+    """Each row's chain of counts[g] drafts after its catch-up: a lone greedy row through the
+    runner's `one_op_chain` where it has one (catch-up and chain in one C++ call), else step by
+    step."""
+    s = rows[0]
+    if len(rows) == 1 and s.sampler is None and s.pending_ids:
+        tokens, feats, caught = backlog([s], len(s.pending_ids), runner.device)
+        out = runner.one_op_chain(tokens[0], feats[0], s.draft_len, max(counts))
+        if out is not None:
+            drafts, root, bound = out
+            caught_up([s], root[None], bound[None], caught)
+            return Proposal(*chain_proposal(drafts[None]), q=[None], counts=counts, tree=False)
     catch_up(runner, rows, alone_over=max(counts) + 1)
     root, boundary, starts = root_state(rows)
     errors: dict[int, str] = {}
@@ -182,6 +192,13 @@ class EagerDrafting:
     def draft_tree(self, rows: list[Any], shape: TreeShape, counts: list[int]) -> Proposal:
         """Trees of `shape`; row g verifies its first counts[g] nodes."""
         return draft_tree(self, rows, shape, counts)
+
+    def one_op_chain(self, tokens: torch.Tensor, feats: torch.Tensor, start: int,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A lone greedy row's catch-up (tokens (R,), features (R, H) from position `start`) and
+        k drafts as one op: (drafts (k,), root logits (Vd,), boundary feature (H,)), or None
+        where this runner has none (then `draft_chain_proposal` steps from Python)."""
+        return None
 
     def warm(self, max_k: int, start: int) -> None:
         """Build what rounds of up to `max_k` drafts need before any generation times them

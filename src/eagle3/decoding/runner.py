@@ -5,7 +5,9 @@ A round (`decoding.round`) asks a runner for drafts, one forward and one cache e
     draft_chain(rows, k, counts) / draft_tree(rows, shape, counts)
                                                   -> a `Proposal` per group of rows (catch-up
                                                      included; `decoding.drafting.EagerDrafting`
-                                                     builds both on the runner's `draft`)
+                                                     builds both on the runner's `draft`, a lone
+                                                     greedy chain on its `one_op_chain` where
+                                                     it has one)
     target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), features (B, T, H) | None
     draft(seqs, tokens (B, T), feats, layout)      -> draft logits (B, T, Vd), next features (B, T, H)
     compact(seq, src positions, dst)              -> the target K/V of an accepted tree path moved
@@ -60,6 +62,9 @@ class Runner(Protocol):
     def draft_tree(self, rows: list[Any], shape: TreeShape, counts: list[int]) -> Proposal: ...
 
     def warm(self, max_k: int, start: int) -> None: ...
+
+    def one_op_chain(self, tokens: torch.Tensor, feats: torch.Tensor, start: int,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
                with_features: bool = True, last_only: bool = False,
@@ -255,6 +260,14 @@ class StaticRunner(EagerDrafting):
 
         drafts = chain_steps(step, draft.to_target_ids, root, feat, step_slots.shape[0] + 1)
         return drafts, root[0], feat[0, 0]
+
+    def one_op_chain(self, tokens: torch.Tensor, feats: torch.Tensor, start: int,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The head's `greedy_chain` on this runner's draft cache (eager runners only: a compiled
+        runner fuses its own graphs)."""
+        if self.compiled:
+            return None
+        return self.draft_model.greedy_chain(tokens, feats, start, k, self.draft_cache)
 
     # -- the Runner protocol -------------------------------------------------------------------
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:

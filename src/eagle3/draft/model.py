@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from ..cache import StaticKVCache, slots_upto
+from ..kernels import FMT_ID, QLinear, fused_step_ok
 from ..targets.config import RopeConfig
 from ..targets.decoder import (
     MLP,
+    CodesEmbedding,
     OneOpLayer,
     RMSNorm,
     Rope,
@@ -142,6 +144,7 @@ class Eagle3Draft(nn.Module):
         # `kernels.use_fused_steps` (a target on the row-invariant path): the head's caches then
         # attend through the attention kernel, which beats SDPA's per-call cost at one query row.
         self.fused = False
+        self._chain_args: tuple = ()  # `chain_op_args`: (what they were built from, the args)
         self.build_buffers()
 
     def build_buffers(self, max_len: int | None = None) -> None:
@@ -177,6 +180,57 @@ class Eagle3Draft(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids through the d2t offset table."""
         return draft_ids + self.d2t[draft_ids]
+
+    def chain_op_args(self) -> tuple | None:
+        """`eagle3::draft_chain`'s weights (after tokens, feats, start, k) up to its caches, or
+        None where the head does not run as that op: its layer not one `decoder_layer` op, a
+        stock LM head, an embedding other than a float32 table or a tied LM head's codes.
+        Rebuilt when the modules it reads change (`.to()`, `fused`, a new embedding)."""
+        layer = self.midlayer.step_args() if self.midlayer.fused else None
+        key = (layer, self.embed_tokens, self.lm_head, self.rope)
+        if self._chain_args and all(a is b for a, b in zip(self._chain_args[0], key, strict=True)):
+            return self._chain_args[1]
+        self._chain_args = (key, layer and self._build_chain_args(layer))
+        return self._chain_args[1]
+
+    def _build_chain_args(self, layer: tuple) -> tuple | None:
+        emb, head, mid = self.embed_tokens, self.lm_head, self.midlayer
+        if isinstance(emb, nn.Embedding) and emb.weight.dtype == torch.float32 and emb.weight.dim() == 2:
+            embed, embed_fmt = [emb.weight.detach()], FMT_ID["float32"]
+        elif isinstance(emb, CodesEmbedding) and emb.codes.fmt in ("int8", "int4"):
+            src = emb.codes  # a tied LM head's codes
+            embed, embed_fmt = [src.w, src.scale, src.offset], FMT_ID[src.fmt]
+        else:
+            return None
+        norms = (mid.hidden_norm, mid.input_layernorm, mid.post_attention_layernorm, self.norm)
+        if not isinstance(head, QLinear) or any(n.eps != self.norm.eps or n.gemma for n in norms):
+            return None
+        bias = head.bias.detach() if head.bias is not None else head.offset[:0]
+        _, ln2, qkv, o, gate_up, down, fmts, ns = layer
+        return (embed, embed_fmt, mid.hidden_norm.weight.detach(), mid.input_layernorm.weight.detach(),
+                ln2.detach(), self.norm.weight.detach(), qkv, o, gate_up, down, fmts, ns,
+                [head.w, head.scale, head.offset, bias], FMT_ID[head.fmt], self.d2t,
+                self.rope.cos, self.rope.sin)
+
+    def greedy_chain(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, k: int,
+                     cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A lone row's catch-up over its backlog, tokens (R,) with fused features (R, H) at
+        positions start.., then k greedy drafts, as one C++ op (`eagle3::draft_chain`): drafts (k,)
+        in target ids, the root logits (Vd,) at the backlog's last row and its feature (H,), the
+        bits this module's forward and `kernels.argmax` give step by step. None where the op does
+        not apply (`chain_op_args`, a cache other than an exact static one, autograd, export)."""
+        if not (type(cache) is StaticKVCache and cache.exact and cache.k[0].shape[0] == 1
+                and fused_step_ok(feats, self.norm.weight)):
+            return None
+        if start + tokens.shape[0] + k - 1 > min(cache.max_len, self.rope.cos.shape[0]):
+            return None
+        args = self.chain_op_args()
+        if args is None:
+            return None
+        at = self.midlayer.self_attn
+        return torch.ops.eagle3.draft_chain(
+            tokens, feats, start, k, *args, cache.k[0], cache.v[0], at.n_heads, at.n_kv,
+            self.norm.eps, at.hd ** -0.5, self.config.norm_before_residual)
 
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
                 cache: StaticKVCache, *, kv_len: int | None = None,

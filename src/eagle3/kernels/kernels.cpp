@@ -439,6 +439,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& ln1, const at::T
   return out;
 }
 
+#include "draft_chain.h"
+
 }  // namespace
 
 
@@ -447,6 +449,11 @@ TORCH_LIBRARY(eagle3, m) {
         "Tensor[] down, int[] fmts, int[] ns, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor input_pos, Tensor mask, int kv_len, int nh, int nkv, float eps, float scale, float softcap, "
         "Tensor? attn_in=None) -> Tensor");
+  m.def("draft_chain(Tensor tokens, Tensor feats, int start, int k, Tensor[] embed, int embed_fmt, "
+        "Tensor hidden_norm, Tensor input_norm, Tensor post_norm, Tensor final_norm, Tensor[] qkv, Tensor[] o, "
+        "Tensor[] gate_up, Tensor[] down, int[] fmts, int[] ns, Tensor[] lm_head, int lm_fmt, Tensor d2t, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int nh, int nkv, float eps, float scale, "
+        "bool norm_before_residual) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -465,5 +472,6 @@ TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layer", &decoder_layer);
+  m.impl("draft_chain", &draft_chain);
   m.impl("argmax", &argmax);
 }

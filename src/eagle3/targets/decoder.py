@@ -349,6 +349,11 @@ class CodesEmbedding(nn.Module):
         self._source = [lm_head]  # a list: not a submodule, so not saved or moved twice
         self.register_buffer("weight", torch.empty(0, device=lm_head.w.device), persistent=False)
 
+    @property
+    def codes(self) -> QLinear:
+        """The LM head whose codes this lookup reads."""
+        return self._source[0]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = self._source[0].rows(tokens.reshape(-1))  # (B*T, H)
         return rows.view(*tokens.shape, self.embedding_dim)
