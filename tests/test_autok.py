@@ -83,6 +83,21 @@ def test_choose_is_the_argmax_of_the_predicted_speedup(ratio, draft, rounds, exp
     assert cost.predicted_speedup(auto.tau(3), Plan(3)) == pytest.approx(auto.tau(3) / (ratio + 3 * draft))
 
 
+@pytest.mark.parametrize("gain,drafts", [(1.03, False), (1.08, True)])
+def test_drafting_must_beat_plain_by_a_margin(gain, drafts):
+    """A chain predicted 3% faster than plain decoding (within the timings' noise) is not chosen
+    over it; one predicted 8% faster is."""
+    acc = Acceptance(max_k=1)
+    for _ in range(400):
+        acc.record(1, 1)
+    acc.record(1, 0)  # tau(1) = 1 + q, q just under 1
+    q = acc.rates()[0]
+    # K=1 costs verify(2) + catch-up draft(2) = ratio + 0 ms: ratio sets the predicted gain
+    cost = RoundCosts({1: [1.0, (1 + q) / gain]}, {1: [0.0, 0.0]}, {1: 1.0})
+    assert cost.predicted_speedup(acc.tau(1), Plan(1)) == pytest.approx(gain)
+    assert choose_plan(cost, acc, 1, 1).drafts == drafts
+
+
 def test_choose_skips_unmeasured_sizes():
     cost = flat_cost(max_k=2)  # verify timed for 1..3 tokens only
     auto = Acceptance()

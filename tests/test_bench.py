@@ -33,7 +33,8 @@ TOP_KEYS = {"baseline_tokens_per_s", "eagle_tokens_per_s", "speedup", "mean_acce
             "cost_model"}
 ROW_KEYS = {"arm", "k", "tokens_per_s", "speedup", "mean_accept_len", "acceptance_rate",
             "accept_rate_per_position", "accepted_per_position", "accept_len_hist", "draft_ms_per_round",
-            "verify_ms_per_round", "other_ms_per_round", "host_syncs_per_round", "outputs_identical"}
+            "verify_ms_per_round", "other_ms_per_round", "host_syncs_per_round", "outputs_identical",
+            "draft_ms_per_draft_token", "draft_token_over_plain_step", "verify_over_plain_step"}
 PROMPTS = [[5, 17, 3, 99, 42, 7], [11, 60, 23], [150, 4, 88, 31, 9, 77, 120]]
 N = 20
 
@@ -122,7 +123,12 @@ def test_report_accounting_matches_generate_stats(spec, dirs):
     json.dumps(report)  # plain JSON types only
     plain, *rows = report["rows"]
     assert plain["k"] is None and plain["speedup"] == 1.0 and plain["draft_ms_per_round"] == 0.0
+    assert plain["verify_over_plain_step"] == 1.0 and plain["draft_token_over_plain_step"] is None
     for row in rows:
+        assert row["draft_token_over_plain_step"] == pytest.approx(
+            row["draft_ms_per_draft_token"] / plain["verify_ms_per_round"])
+        assert row["verify_over_plain_step"] == pytest.approx(
+            row["verify_ms_per_round"] / plain["verify_ms_per_round"])
         assert ROW_KEYS <= set(row)
         stats = [spec.generate(p, N, num_draft_tokens=row["k"]).stats for p in PROMPTS]
         hist = [sum(c) for c in zip(*(s["accept_len_hist"] for s in stats))]

@@ -92,6 +92,28 @@ def test_proposer_learns_which_match_lengths_pay():
     assert q.propose(2) == [9, 7]
 
 
+def test_a_drivers_pooled_runs_are_the_next_requests_prior():
+    """Text drafts that failed in a driver's earlier requests lower what the next request expects
+    of them at the same match length (the fixed prior shrunk towards the pool), so it stops
+    paying to re-learn it; requests of a driver without a pool keep the fixed prior."""
+    from eagle3.decoding.suffix import PRIOR_EXTRA, PRIOR_WEIGHT, SUFFIX_NODES, suffix_proposer
+
+    text = [7, 8, 9, 7, 8, 9, 7, 8]
+    pools: dict = {}
+    first = suffix_proposer("hybrid", text, pools)
+    first.budget = SuffixBudget(ms_per_token=1.0, extra_ms=(0.0, 0.05, 0.1, 0.15))
+    length = first.index.match(1)[0]
+    for _ in range(3):  # three proposals after this match, none accepted
+        assert first.propose(3)
+        first.observe(0, 0)
+    fixed = PRIOR_EXTRA[length] * 3 / SUFFIX_NODES
+    pooled = fixed * PRIOR_WEIGHT / (3 + PRIOR_WEIGHT)  # three runs of 0 against the prior
+    later = suffix_proposer("hybrid", text, pools)
+    assert later.gain(length, 3) == pytest.approx(pooled)
+    assert suffix_proposer("hybrid", text).gain(length, 3) == pytest.approx(fixed)
+    assert suffix_proposer("suffix", text, pools).gain(length, 3) > pooled  # its own pool
+
+
 def test_graft_shares_agreeing_nodes_and_masks_ancestors():
     # root -> 1 (a) -> 2 (b) -> 3 (c); root -> 4 (x)
     tokens, parents = [10, 11, 12, 13], [0, 1, 2, 0]

@@ -274,8 +274,9 @@ class Eagle3Speculator:
         plan, auto = self._first_plan(req)
         sampler = None if req.sampling.greedy else Sampler(req.sampling, self.target_device)
         head = self.draft is not None and req.proposer != "suffix"
+        pools = self.planner.suffix_runs if sampler is None else None
         seq = SequenceState("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
-                            drafts=head, suffix=suffix_proposer(req.proposer, req.prompt))
+                            drafts=head, suffix=suffix_proposer(req.proposer, req.prompt, pools))
         stats = seq.stats
         if head:
             stats.size(plan.tree.depth if plan.tree is not None else

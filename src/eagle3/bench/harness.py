@@ -157,6 +157,13 @@ def summarize(samples: list[list[Sample]], plain: list[list[Sample]] | None) -> 
         other_ms_per_round=per_round(lambda s: s.seconds - s.profile.prefill_seconds
                                      - s.profile.draft_seconds - s.profile.verify_seconds),
         host_syncs_per_round=per_round(lambda s: s.profile.host_syncs, scale=1.0),
+        # The head's drafting per token it drafted (catch-ups included; the text's nodes cost no
+        # draft forward), a median over repetitions.
+        draft_ms_per_draft_token=statistics.median(
+            1e3 * d / max(n, 1) for d, n in zip(
+                _per_rep(samples, lambda s: s.profile.draft_seconds),
+                _per_rep(samples, lambda s: s.stats["draft_tokens"] - s.stats.get("suffix_draft_tokens", 0)),
+                strict=True)),
         prefill_ms=1e3 * statistics.median(_per_rep(samples, lambda s: s.profile.prefill_seconds))
         / len(samples))
     return row
@@ -260,8 +267,14 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     base = rows[0]["tokens_per_s"]
     costs = {b: {**m.cost_ratios(), **m.as_dict()} for b, m in models.items()}
     backend_plain = {r.get("backend"): r["tokens_per_s"] for r in rows if r["arm"] == "plain"}
+    # A plain step: the target forward of the backend's plain decoding, in this run.
+    plain_step = {r.get("backend"): r["verify_ms_per_round"] for r in rows if r["arm"] == "plain"}
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base
+        step = plain_step[row.get("backend")]
+        row["verify_over_plain_step"] = row["verify_ms_per_round"] / step if step else None
+        row["draft_token_over_plain_step"] = (row["draft_ms_per_draft_token"] / step
+                                              if step and row["draft_tokens"] else None)
         if multi:
             row["speedup_vs_backend_plain"] = row["tokens_per_s"] / backend_plain[row["backend"]]
         model = models.get(row.get("backend", names[0]))

@@ -7,7 +7,8 @@ from typing import Any
 PEER_NAMES = {"hf": "transformers greedy", "lookup": "transformers prompt lookup",
               "assisted": "transformers assisted"}
 COLUMNS = ("decoding", "tok/s", "speedup", "model", "tau", "accept", "from text", "accept per position %",
-           "accepted-length hist", "draft ms/rd", "verify ms/rd", "other ms/rd", "syncs/rd", "identical")
+           "accepted-length hist", "draft ms/rd", "verify ms/rd", "other ms/rd", "draft tok / step",
+           "verify / step", "syncs/rd", "identical")
 
 
 def _f(x: Any, fmt: str = ".2f") -> str:
@@ -25,7 +26,8 @@ def _row(name: str, r: dict) -> list[str]:
             if spec else "-",
             " ".join(f"{n}:{c}" for n, c in enumerate(r["accept_len_hist"]) if c) if spec else "-",
             _f(r.get("draft_ms_per_round")), _f(r.get("verify_ms_per_round")),
-            _f(r.get("other_ms_per_round")), _f(r.get("host_syncs_per_round")),
+            _f(r.get("other_ms_per_round")), _f(r.get("draft_token_over_plain_step"), ".3f"),
+            _f(r.get("verify_over_plain_step")), _f(r.get("host_syncs_per_round")),
             "n/a (sampled)" if r["outputs_identical"] is None else
             "yes" if r["outputs_identical"] else f"NO ({r['mismatched_runs']} runs{_prefix(r)})"]
 

@@ -27,7 +27,9 @@ Columns: tok/s; speedup vs plain; model = the speedup the cost model predicts
 from tau; tau (tokens per target forward); accept = accepted / drafted; the
 acceptance rate per draft position; the accepted-length histogram (length:rounds);
 milliseconds per round (per target forward after the prefill) spent drafting,
-verifying and elsewhere; host synchronisations per round; identical outputs.
+verifying and elsewhere; the head's drafting per token it drafted (catch-up included) and
+the round's verify, each over plain decoding's step in the same run (draft tok / step,
+verify / step); host synchronisations per round; identical outputs.
 Below the table: the cost model, cost(K+1)/cost(1) of a target forward and
 draft step / target forward. --json OUT writes every number."""
 

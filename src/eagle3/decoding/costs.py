@@ -36,6 +36,11 @@ from .types import Plan
 AUTO_MAX_K = 8
 PRIOR_ACCEPT, PRIOR_ROUNDS = 0.8, 4.0
 REPICK_EVERY = 8  # rounds between choices within one generation
+# A drafting plan must promise this much more than plain decoding's tokens per millisecond to be
+# chosen over it: a smaller predicted gain is within the noise of the timings behind it (the
+# observed round times vary by more between runs), and where the head accepts little such plans
+# lost in measured runs (`make run`'s chat turn, docs/weight-formats.md "What a round costs").
+PLAIN_MARGIN = 0.05
 REPICK_EARLY = (2, 4)  # and these rounds of a generation, while the acceptance is still the prior's
 
 
@@ -274,8 +279,9 @@ def verify_len(plan: Plan) -> int:
 def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
                 tree: TreeShape | None = None, min_k: int = 0,
                 observed: Observed | None = None, text: bool = False) -> Plan:
-    """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0),
-    chains of min_k..kmax, and `tree` when given (ties: the cheaper, plain first). With
+    """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0;
+    drafting must beat it by PLAIN_MARGIN), chains of min_k..kmax, and `tree` when given (ties:
+    the cheaper, plain first). With
     `observed`, each plan's predicted time is corrected by its measured rounds: a plan whose
     rounds ran slower than predicted loses its edge, and plain decoding (corrected or not)
     is then picked wherever speculation no longer pays."""
@@ -290,7 +296,7 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
         if text:  # what the text adds to this plan's rounds
             tau += acceptance.text_gain(plan.drafts)
         ms = costs.round_ms(B, plan) * (observed.scale(B, plan, text) if observed is not None else 1.0)
-        rate = B * tau / ms
+        rate = B * tau / ms * (1.0 if plan.drafts else 1.0 + PLAIN_MARGIN)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = plan, rate
     return best

@@ -37,6 +37,8 @@ class Planner:
         self.acceptance = Acceptance(max(kmax, 1))  # over every round this planner saw
         self.observed = Observed()
         self.explored = False  # whether plain rounds were timed (`Generation`)
+        # Text drafts' runs over every request of this driver, per proposer kind (`decoding.suffix`)
+        self.suffix_runs: dict[str, list[list[int]]] = {}
         self._held: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
 
     def measure(self, runner: Any, batch_sizes: list[int], max_T: int, context: int) -> RoundCosts:

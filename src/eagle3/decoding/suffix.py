@@ -125,10 +125,14 @@ class SuffixProposer:
     nodes: int = SUFFIX_NODES  # most nodes per round
     budget: SuffixBudget | None = None  # set by the driver before each round; None: MIN_GAIN rules
     runs: list[list[int]] = field(default_factory=list)  # [match length][run] -> proposals
+    # The runs of every request of one driver with this prior (`new_runs`, shared and added to):
+    # the fixed prior shrunk towards them is this request's prior, so that a workload whose text
+    # drafts fail (or pay) stops re-learning that in each request.
+    pool: list[list[int]] | None = None
     last: tuple[int, int] = (0, 0)  # the pending proposal's (match length, nodes)
 
     def __post_init__(self) -> None:
-        self.runs = self.runs or [[0] * (self.nodes + 1) for _ in range(MAX_MATCH + 1)]
+        self.runs = self.runs or new_runs(self.nodes)
 
     @classmethod
     def over(cls, tokens: list[int], **kw: object) -> SuffixProposer:
@@ -136,12 +140,15 @@ class SuffixProposer:
 
     def gain(self, length: int, d: int) -> float:
         """Expected tokens a proposal of d nodes after a match of `length` tokens adds: this
-        request's runs (each counted up to d), shrunk towards its prior (spread evenly over the
-        nodes: the measured gains are of SUFFIX_NODES-node proposals)."""
-        hist = self.runs[min(length, MAX_MATCH)]
-        seen = sum(c * min(r, d) for r, c in enumerate(hist))
-        prior = self.prior[min(length, MAX_MATCH)] * d / SUFFIX_NODES
-        return (seen + prior * PRIOR_WEIGHT) / (sum(hist) + PRIOR_WEIGHT)
+        request's runs (each counted up to d), shrunk towards the driver's pooled runs, shrunk in
+        turn towards the fixed prior (spread evenly over the nodes: the measured gains are of
+        SUFFIX_NODES-node proposals)."""
+        at = min(length, MAX_MATCH)
+        prior = self.prior[at] * d / SUFFIX_NODES
+        for hist in ([self.pool[at]] if self.pool is not None else []) + [self.runs[at]]:
+            seen = sum(c * min(r, d) for r, c in enumerate(hist))
+            prior = (seen + prior * PRIOR_WEIGHT) / (sum(hist) + PRIOR_WEIGHT)
+        return prior
 
     def choose(self, length: int, n: int) -> int:
         """Nodes to propose (0..n) after a match of `length`: the most expected tokens per
@@ -175,15 +182,28 @@ class SuffixProposer:
         paid leads to longer ones."""
         length, d = self.last
         if d:
-            self.runs[min(length, MAX_MATCH)][self.nodes if agreed >= d else min(added, self.nodes)] += 1
+            run = self.nodes if agreed >= d else min(added, self.nodes)
+            for hist in (self.runs, self.pool) if self.pool is not None else (self.runs,):
+                hist[min(length, MAX_MATCH)][run] += 1
             self.last = (0, 0)
 
 
-def suffix_proposer(proposer: str | None, prompt: list[int]) -> SuffixProposer | None:
-    """A request's proposer over its prompt when `proposer` drafts from the text, else None."""
+def new_runs(nodes: int = SUFFIX_NODES) -> list[list[int]]:
+    """An empty histogram of runs: [match length 0..MAX_MATCH][tokens added 0..nodes]."""
+    return [[0] * (nodes + 1) for _ in range(MAX_MATCH + 1)]
+
+
+def suffix_proposer(proposer: str | None, prompt: list[int],
+                    pools: dict[str, list[list[int]]] | None = None) -> SuffixProposer | None:
+    """A request's proposer over its prompt when `proposer` drafts from the text, else None;
+    `pools`: a driver's pooled runs per proposer kind (`SuffixProposer.pool`), grown here. Greedy
+    requests only: a sampled request's drafts (so its random draws) must not depend on the
+    requests before it."""
     if proposer not in ("suffix", "hybrid"):
         return None
-    return SuffixProposer.over(prompt, prior=PRIOR_EXTRA if proposer == "hybrid" else PRIOR_ALONE)
+    pool = pools.setdefault(proposer, new_runs()) if pools is not None else None
+    return SuffixProposer.over(prompt, prior=PRIOR_EXTRA if proposer == "hybrid" else PRIOR_ALONE,
+                               pool=pool)
 
 
 def graft(tokens: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int], int]:

@@ -229,9 +229,10 @@ class Engine:
             # Sampled requests under automatic plans draft a fixed chain, as generate does: their
             # draws then never depend on timings or on the batch they share.
             own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
+            pools = self.planner.suffix_runs if sampler is None else None
             r.seq = SequenceState(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
                                   drafts=self.speculate and proposer != "suffix", plan=own,
-                                  suffix=suffix_proposer(proposer, r.prompt_ids))
+                                  suffix=suffix_proposer(proposer, r.prompt_ids, pools))
             self.waiting.append(r)
             self.lock.notify_all()
         return r
