@@ -98,6 +98,41 @@ def test_drafting_must_beat_plain_by_a_margin(gain, drafts):
     assert choose_plan(cost, acc, 1, 1).drafts == drafts
 
 
+def test_observed_rounds_are_priced_with_the_text_nodes_they_verified():
+    """A round that verified text nodes beyond its plan's is compared with the model's time for
+    that many nodes: a round that took exactly that leaves no correction (ratio 1), so text
+    nodes riding along in some rounds cannot make the plan look slow."""
+    from eagle3.decoding.planner import Planner
+
+    planner = Planner(4)
+    planner.costs = RoundCosts({1: [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]}, {1: [0.1] * 8}, {1: 1.0})
+    # K=2 with 3 text nodes: verify over 6 tokens (3.5 ms) + catch-up (0.1) + one step (0.1)
+    planner.observe(1, Plan(2), 3.7, text=True, nodes=5)
+    assert planner.observed.ratio[1, Plan(2), True] == pytest.approx(1.0)
+    # plain decoding with 2 text nodes: a verify over 3 tokens (2.0 ms) instead of a step
+    planner.observe(1, Plan(), 2.0, text=True, nodes=2)
+    assert planner.observed.ratio[1, Plan(), True] == pytest.approx(1.0)
+    planner.observe(1, Plan(1), 3.2, nodes=1)  # no text: 1.5 + 0.1, took twice that
+    assert planner.observed.ratio[1, Plan(1), False] == pytest.approx(2.0)
+
+
+def test_a_round_after_plain_rounds_is_not_a_plans_usual_cost():
+    """Rounds whose catch-up covers the prompt or the tokens of plain rounds before it do not
+    correct the cost model; rounds that catch up what a drafting round leaves do."""
+    from eagle3.decoding.round import usual_catch_up
+    from eagle3.decoding.tree import TreeShape
+    from eagle3.decoding.types import SequenceState
+
+    s = SequenceState("s", [1, 2, 3], 20, frozenset())
+    s.pending_ids = [1, 2, 3]
+    assert not usual_catch_up(s, Plan(2))  # the prompt: the draft never ran
+    s.draft_len = 3
+    assert usual_catch_up(s, Plan(2)) and not usual_catch_up(s, Plan(1))
+    s.pending_ids = list(range(12))  # after 11 plain rounds
+    assert not usual_catch_up(s, Plan(4)) and usual_catch_up(s, Plan())
+    assert usual_catch_up(s, Plan(tree=TreeShape(2, 11, 8))) and not usual_catch_up(s, Plan(tree=TreeShape()))
+
+
 def test_choose_skips_unmeasured_sizes():
     cost = flat_cost(max_k=2)  # verify timed for 1..3 tokens only
     auto = Acceptance()

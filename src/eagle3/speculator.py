@@ -27,7 +27,7 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
     check_num_draft_tokens,
     check_stop_ids,
 )
-from .decoding.round import SequenceState, prefill, run_round
+from .decoding.round import SequenceState, prefill, run_round, usual_catch_up
 from .decoding.runner import StaticRunner
 from .decoding.sampling import Sampler
 from .decoding.suffix import resolve_proposer, suffix_proposer
@@ -292,7 +292,7 @@ class Eagle3Speculator:
         prefill(runner, seq)
         while not seq.done:
             t_round = time.perf_counter()
-            typical = seq.draft_len > 0  # the first drafting round also runs the head over the prompt
+            typical = usual_catch_up(seq, plan)
             if seq.suffix is not None and sampler is None:  # sampled: the fixed rule (as the engine)
                 seq.suffix.budget = self.planner.suffix_budget(1, plan, seq.suffix.nodes)
             (v,) = run_round(runner, [seq], plan)

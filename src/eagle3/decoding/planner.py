@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .costs import REPICK_EVERY as REPICK_EVERY
-from .costs import Acceptance, Observed, RoundCosts, choose_plan, repick_now
+from .costs import Acceptance, Observed, RoundCosts, choose_plan, repick_now, verify_len
 from .suffix import SuffixBudget
 from .tree import TreeShape
 from .types import Plan, Verdict
@@ -39,6 +39,8 @@ class Planner:
         self.explored = False  # whether plain rounds were timed (`Generation`)
         # Text drafts' runs over every request of this driver, per proposer kind (`decoding.suffix`)
         self.suffix_runs: dict[str, list[list[int]]] = {}
+        # suffix_extra_ms per (B, plan, nodes) of one cost model (it is asked every round)
+        self._extra: tuple[RoundCosts | None, dict] = (None, {})
         self._held: tuple[int, Plan, int] | None = None  # (batch size, plan, rounds it ran)
 
     def measure(self, runner: Any, batch_sizes: list[int], max_T: int, context: int) -> RoundCosts:
@@ -56,9 +58,26 @@ class Planner:
         return choose_plan(self.costs, self.acceptance, B, self.kmax, self.tree, observed=self.observed,
                            text=text)
 
-    def observe(self, B: int, plan: Plan, ms: float, text: bool = False) -> None:
-        """A round of `plan` at batch size B took `ms`: corrects the model's time for it."""
-        self.observed.record(B, plan, ms, self.costs.round_ms(B, plan), text)
+    def observe(self, B: int, plan: Plan, ms: float, text: bool = False, nodes: int = 0) -> None:
+        """A round of `plan` at batch size B took `ms`, verifying `nodes` drafted nodes in its
+        widest row: corrects the model's time for it. Nodes past the plan's own (the text's) are
+        priced by the model too, so the correction measures the round's host work, not how many
+        text nodes happened to ride along."""
+        extra = nodes - (verify_len(plan) - 1 if plan.drafts else 0)
+        predicted = self.costs.round_ms(B, plan)
+        if extra > 0:
+            predicted += self._suffix_extra(B, plan, extra)[extra]
+        self.observed.record(B, plan, ms, predicted, text)
+
+    def _suffix_extra(self, B: int, plan: Plan, nodes: int) -> tuple[float, ...]:
+        """`RoundCosts.suffix_extra_ms`, kept per cost model (asked every round)."""
+        if self._extra[0] is not self.costs:
+            self._extra = (self.costs, {})
+        memo = self._extra[1]
+        extra = memo.get((B, plan, nodes))
+        if extra is None:
+            extra = memo[B, plan, nodes] = self.costs.suffix_extra_ms(B, plan, nodes)
+        return extra
 
     def record(self, drafted: int, accepted: int, tree: bool = False) -> None:
         """One drafting round's acceptance (drafted = the chain's K; a tree's accepted path)."""
@@ -73,7 +92,7 @@ class Planner:
         a = self.acceptance
         tau = (a.tau_tree(plan.tree) if plan.tree is not None else a.tau(plan.k)) if plan.drafts else 1.0
         ms = self.costs.round_ms(B, plan) * self.observed.scale(B, plan, True)
-        return SuffixBudget(ms / (B * tau), self.costs.suffix_extra_ms(B, plan, nodes))
+        return SuffixBudget(ms / (B * tau), self._suffix_extra(B, plan, nodes))
 
     def held(self, B: int, text: bool = False) -> Plan:
         """The engine's plan for a batch of B rows (`text`: some draft from the text too): chosen
@@ -114,7 +133,7 @@ class Generation:
         if v.head_nodes:  # the head drafted (nodes from the text alone teach nothing about it)
             planner.record(v.head_nodes, v.head_accepted)
             if v.head_nodes == p.k and typical:  # a full round of the plan (text nodes included)
-                planner.observe(1, p, ms, self.text)
+                planner.observe(1, p, ms, self.text, len(v.depths))
             if repick_now(drafting_rounds):
                 p = planner.choose(1, self.text)
                 if p.drafts and not planner.explored and not planner.observed.seen(1, Plan(), self.text):
@@ -127,7 +146,7 @@ class Generation:
             # text again before the next choice.
             self.plain_rounds += 1
             if self.plain_streak > PLAIN_SETTLE:  # steady plain decoding, as plain would run
-                planner.observe(1, p, ms, self.text)
+                planner.observe(1, p, ms, self.text, len(v.depths))
             if self.explore:
                 self.explore -= 1
                 if not self.explore:

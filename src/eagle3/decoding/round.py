@@ -64,6 +64,17 @@ def grant(seq: SequenceState, plan: Plan, max_len: int) -> int:
     return max(0, min(plan.k, fits, seq.room() - 1))
 
 
+def usual_catch_up(seq: SequenceState, plan: Plan) -> bool:
+    """Whether a round of `plan` catches this row's draft up over no more than a drafting round
+    leaves behind (the accepted path and the next token: K + 1, a tree's depth + 1), so its time
+    is the plan's usual one: not the first (the whole prompt) nor the first after plain rounds
+    (their tokens), which the cost model's correction must not learn as the plan's cost."""
+    if not plan.drafts or not seq.drafts:
+        return True
+    most = (plan.tree.depth if plan.tree is not None else plan.k) + 1
+    return seq.draft_len > 0 and len(seq.pending_ids) <= most
+
+
 def draft_span(plan: Plan) -> int:
     """Draft positions past the anchor a round writes (speculative slots, overwritten later)."""
     if plan.tree is not None:
@@ -135,7 +146,8 @@ def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Te
     P = seq.target_len
     path = verdict.path
     a = len(path)
-    if path != list(range(1, a + 1)):  # accepted nodes' K/V to contiguous positions
+    contiguous = path == list(range(1, a + 1))  # a chain's path: nodes 1..a
+    if not contiguous:  # accepted nodes' K/V to contiguous positions
         runner.compact(seq, [P + j for j in path], P + 1)
     seq.target_len = P + a + 1
     room = seq.room() - 1
@@ -162,7 +174,7 @@ def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Te
         seq.suffix.index.extend(verdict.new)
     if feats is not None and seq.drafts and not seq.done:
         seq.pending_ids.extend(emitted)
-        seq.pending_feats.append(feats[b, [0, *path]])
+        seq.pending_feats.append(feats[b, :a + 1] if contiguous else feats[b, [0, *path]])
 
 
 @torch.no_grad()

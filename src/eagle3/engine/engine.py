@@ -29,7 +29,7 @@ from typing import Any
 from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, probe_batch_sizes
 from ..decoding.planner import Planner
 from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
-from ..decoding.round import SequenceState, prefill, run_round
+from ..decoding.round import SequenceState, prefill, run_round, usual_catch_up
 from ..decoding.sampling import Sampler
 from ..decoding.suffix import SUFFIX_NODES, resolve_proposer, suffix_proposer
 from ..decoding.tree import TreeShape, parse_tree
@@ -277,9 +277,10 @@ class Engine:
             return False
         batch = list(self.running)
         plan = self._choose_plan(batch)
-        # A row's first drafting round also runs the head over its prompt: not a round's usual
-        # cost, so such rounds do not correct the cost model.
-        typical = not any(r.seq.draft_len == 0 and r.seq.drafts for r in batch)
+        # A row's first drafting round also runs the head over its prompt, and one after plain
+        # rounds over their tokens: not a round's usual cost, so such rounds do not correct the
+        # cost model.
+        typical = all(usual_catch_up(r.seq, r.seq.plan or plan) for r in batch)
         t0 = time.perf_counter()
         # What suffix nodes cost in this round (`decoding.suffix`), the same for every row; sampled
         # rows keep the fixed rule, so that a seed's draws never depend on the batch or on timings.
@@ -297,7 +298,8 @@ class Engine:
             return True
         if self.costs is not None and (typical or not plan.drafts):
             self.planner.observe(len(batch), plan, (time.perf_counter() - t0) * 1e3,
-                                 any(r.seq.suffix is not None for r in batch))
+                                 any(r.seq.suffix is not None for r in batch),
+                                 max(len(v.depths) for v in verdicts))
         with self.lock:  # counters for metrics(), which other threads read: consistent per round
             self.stats.round(plan, {r.id: r.metrics for r in batch})
         now = time.perf_counter()
