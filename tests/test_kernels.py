@@ -620,6 +620,59 @@ def test_the_heads_chain_runs_as_one_op_with_the_same_bits(source, fmt, path, tm
         assert torch.equal(a[:, :, :used], b[:, :, :used])
 
 
+def reference_tree(d, tokens: torch.Tensor, feats: torch.Tensor, start: int, k: int, depth: int,
+                   n: int, max_rope: int, cache) -> tuple:
+    """The head's catch-up, then `expand_tree` with its forward level by level from Python (its
+    layer op by op, the masks and positions a static runner builds): what the one-op tree gives."""
+    from eagle3.decoding.tree import expand_tree
+
+    d.midlayer.fused = False
+    R = tokens.shape[0]
+    logits, h = d(tokens[None], feats[None], torch.arange(start, start + R), cache, kv_len=start + R)
+    root, bound = logits[0, -1], h[0, -1]
+    p = start + R
+
+    def step(tok, feat, layout):
+        region = layout.region[0]  # (T, R) the tree's scratch slots each node sees
+        mask = torch.cat([torch.ones(tok.shape[1], p, dtype=torch.bool), region], 1)
+        return d(tok, feat, p + layout.offsets, cache, kv_len=p + region.shape[1], attn_mask=mask,
+                 rope_pos=p + layout.rope[0])
+
+    out = expand_tree(step, d.to_target_ids, root[None], bound[None, None], [p], k, depth, n, [max_rope])
+    d.midlayer.fused = True
+    return (*out, root, bound)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("source,fmt", [("toy", "int4"), ("toy", "fp32"), ("gguf", "Q8_0"), ("gguf", "Q4_1")])
+def test_the_heads_tree_runs_as_one_op_with_the_same_bits(source, fmt, path, tmp_path):
+    """`eagle3::draft_tree` (a catch-up and a whole dynamic tree in one C++ call) gives the tree
+    (tokens, parents, depths, ancestor mask), root logits, boundary feature and draft-cache K/V
+    that the head's forward and `expand_tree` give level by level from Python, on every path:
+    float32 and packed embeddings, shapes from one level to the default's, RoPE positions capped
+    near the cache's end."""
+    d = head_on(source, fmt, tmp_path)
+    H, V = d.config.hidden_size, d.config.vocab_size
+    g = torch.Generator().manual_seed(11)
+    start, R = 6, 3
+    prefix = torch.randint(0, V, (1, start), generator=g), torch.randn(1, start, H, generator=g)
+    tokens, feats = torch.randint(0, V, (R,), generator=g), torch.randn(R, H, generator=g)
+    for k, depth, n, max_rope in [(3, 6, 12, 40), (2, 3, 6, 1), (4, 1, 3, 40), (3, 4, 9, 0)]:
+        caches = []
+        with torch.no_grad(), use_isa(path):
+            for _ in range(2):
+                caches.append(d.new_cache(1, 48))
+                d(*prefix, torch.arange(start), caches[-1], kv_len=start)
+            got = d.greedy_tree(tokens, feats, start, k, depth, n, max_rope, caches[0])
+            want = reference_tree(d, tokens, feats, start, k, depth, n, max_rope, caches[1])
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (k, depth, n, max_rope)
+        assert len(set(want[0][0].tolist())) > 1
+        used = start + R + k * (depth - 1)  # the catch-up and every expanded level's slots
+        for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+            assert torch.equal(a[:, :, :used], b[:, :, :used])
+
+
 def test_the_one_op_chain_runs_in_generate_and_only_where_it_applies():
     """Greedy generation of the default drafts through `eagle3::draft_chain` (one call per round,
     none per plain step) with output identical to plain decoding; sampled rounds, a stock head
@@ -646,6 +699,22 @@ def test_the_one_op_chain_runs_in_generate_and_only_where_it_applies():
         assert d.greedy_chain(torch.ones(3, dtype=torch.long), x, 5, 2, cache) is None  # past the end
         assert d.greedy_chain(torch.ones(3, dtype=torch.long), x, 4, 2, cache) is not None
     assert eagle3.load("default", quantize="none").draft.chain_op_args() is None
+
+
+def test_the_one_op_tree_runs_in_generate():
+    """Tree rounds of the default (the head alone, and hybrid with text drafts grafted on) draft
+    through `eagle3::draft_tree`, one call per round, with output identical to plain decoding."""
+    from torch.profiler import profile
+
+    s = eagle3.load("default")
+    ids = s.tokenizer.encode("List the planets of the solar system, then list them again.")
+    want = s.plain().generate(ids, 40).token_ids
+    for proposer in ("eagle", "hybrid"):
+        with profile() as prof:
+            r = s.generate(ids, 40, proposer=proposer, tree=True)
+        n = sum(e.count for e in prof.key_averages() if e.key == "eagle3::draft_tree")
+        assert r.token_ids == want and r.stats["accepted_tokens"] > 0
+        assert n == r.stats["rounds"], (proposer, n, r.stats["rounds"])
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,32 @@ def test_cached_draft_chain_equals_stateless_recompute(dirs):
     assert seq.draft_len == n  # drafting leaves the committed length unchanged
 
 
+def test_the_heads_fc_runs_once_a_catch_up_over_the_accepted_rows_only(monkeypatch):
+    """The target's taps become the head's features at the catch-up, over the row's backlog in
+    one call: one fc per drafting round, over the prompt first, then over each round's accepted
+    path and next token (never a verify's rejected rows), and none in plain rounds."""
+    from eagle3.decoding import planner
+
+    s = eagle3.load("default")
+    ids = s.tokenizer.encode("Name three rivers and the seas they flow into.")
+    s.generate(ids, 8, proposer="eagle", num_draft_tokens=3)  # the cost model's calibration first
+    rows: list[int] = []
+    fuse = s.draft.fuse
+    monkeypatch.setattr(s.draft, "fuse", lambda taps: rows.append(taps.shape[1]) or fuse(taps))
+    st = s.generate(ids, 48, proposer="eagle", num_draft_tokens=3).stats
+    assert len(rows) == st["rounds"] and rows[0] == len(ids)
+    # each later catch-up: the previous round's accepted drafts and its next token
+    last = max(a for a, c in enumerate(st["accept_len_hist"]) if c)
+    assert st["accepted_tokens"] + st["rounds"] - 1 - last <= sum(rows[1:]) \
+        <= st["accepted_tokens"] + st["rounds"] - 1 < 4 * (st["rounds"] - 1)  # < the verified rows
+    # automatic K that finds plain decoding best: its plain rounds leave the head alone
+    monkeypatch.setattr(planner, "PROBE_EVERY", 10 ** 6)
+    monkeypatch.setattr(planner.Planner, "choose", lambda self, B, text=False: Plan())
+    rows.clear()
+    plain = s.generate(ids, 48, proposer="eagle")
+    assert plain.stats["rounds"] == 0 and plain.stats["target_forwards"] == 48 and rows == []
+
+
 def test_the_round_drafts_through_the_backend_alone(dirs, monkeypatch):
     """The backend owns drafting: the round asks its `draft_chain(rows, k, counts)` for each
     group's proposal and verifies what it returns. A backend proposing the target's own

@@ -61,9 +61,11 @@ class Acceptance:
         # Tokens drafts from the text (`decoding.suffix`) added beyond the head's, per round of
         # rows that have them: [plain rounds, rounds the head drafted].
         self.text_rounds, self.text_added = [0, 0], [0, 0]
+        self._rates: list[float] | None = None  # `rates`, until the next record
 
     def record(self, k: int, accepted: int, tree: bool = False) -> None:
         """One round: k drafts (a chain) or a tree, the first `accepted` of them accepted."""
+        self._rates = None
         if tree:
             self.tree_rounds += 1
             self.tree_tokens += accepted + 1
@@ -87,10 +89,13 @@ class Acceptance:
 
     def rates(self) -> list[float]:
         """q_i: P(position i accepted | positions before it accepted), shrunk (module docstring)."""
+        if self._rates is not None:
+            return self._rates
         rates, prior = [], PRIOR_ACCEPT
         for a, r in zip(self.accepted, self.reached, strict=True):
             prior = (a + prior * PRIOR_ROUNDS) / (r + PRIOR_ROUNDS)
             rates.append(prior)
+        self._rates = rates
         return rates
 
     def tau(self, k: int) -> float:
@@ -151,6 +156,7 @@ class RoundCosts:
         self.verify = verify  # B -> [ms at T = 1 ..]
         self.draft = draft  # B -> [ms at T = 1 ..]
         self.plain = plain or {b: v[0] for b, v in verify.items()}  # B -> a plain step (no taps)
+        self._round: dict[tuple[int, Plan], float] = {}  # round_ms, asked several times a round
 
     @classmethod
     @torch.no_grad()
@@ -204,6 +210,12 @@ class RoundCosts:
 
     def round_ms(self, B: int, plan: Plan) -> float:
         """Predicted milliseconds of one round of `plan` at batch size B."""
+        ms = self._round.get((B, plan))
+        if ms is None:
+            ms = self._round[B, plan] = self._round_ms(B, plan)
+        return ms
+
+    def _round_ms(self, B: int, plan: Plan) -> float:
         if plan.tree is not None:
             t = plan.tree
             depth = min(t.depth, t.total_tokens)
@@ -336,8 +348,11 @@ def _time_batch(runner: Runner, seqs: list[SequenceState], context: int, lengths
             tokens = torch.ones(B, T, dtype=torch.long, device=dev)
             layout = causal_layout(starts, T, device=dev)
             t0 = time.perf_counter()
-            logits, feats = runner.target(seqs, tokens, layout, with_features=runner.has_draft)
+            logits, taps = runner.target(seqs, tokens, layout, with_features=runner.has_draft)
             logits.argmax(-1).tolist()
+            # the head's fc over the verified rows, counted with the verify: a round runs it over
+            # the accepted ones at the next catch-up, never in the chain's own steps
+            feats = runner.features(taps) if taps is not None else None
             t1 = time.perf_counter()
             if feats is not None:
                 draft_forward(runner, seqs, tokens, feats, layout, context)

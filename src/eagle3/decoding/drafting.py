@@ -21,19 +21,20 @@ from .tree import TreeShape, chain_proposal, expand_tree
 from .types import Proposal
 
 
-def backlog(rows: list[Any], width: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def backlog(runner: Any, rows: list[Any],
+            width: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Each row's pending tokens (G, width) and features (G, width, H), padded to `width` by
     repeating its last token and feature, and the real counts. The one packing every catch-up
-    uses; padding is never read first (attention is causal, later writes overwrite it)."""
+    uses; padding is never read first (attention is causal, later writes overwrite it). The
+    rows' queued taps become features here, in one `runner.features` call."""
     counts = [len(s.pending_ids) for s in rows]
     tokens = torch.tensor([s.pending_ids + s.pending_ids[-1:] * (width - n)
-                           for s, n in zip(rows, counts, strict=True)], device=device)
-    feats = []
+                           for s, n in zip(rows, counts, strict=True)], device=runner.device)
+    taps = []
     for s, n in zip(rows, counts, strict=True):
-        f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, H)
-        feats.append(torch.cat([f, f[-1:].expand(width - n, -1)]) if n < width else f)
-    return tokens, torch.stack(feats), counts
+        f = torch.cat(s.pending_feats) if len(s.pending_feats) > 1 else s.pending_feats[0]  # (n, F)
+        taps.append(torch.cat([f, f[-1:].expand(width - n, -1)]) if n < width else f)
+    return tokens, runner.features(taps[0][None] if len(taps) == 1 else torch.stack(taps)), counts
 
 
 def caught_up(rows: list[Any], roots: torch.Tensor, bounds: torch.Tensor, counts: list[int]) -> None:
@@ -58,11 +59,13 @@ def catch_up(runner: Any, seqs: list[Any], alone_over: int | None = None) -> Non
         catch_up_rows(runner, rows)
 
 
-def catch_up_rows(runner: Any, rows: list[Any]) -> None:
-    """One batched draft forward over these rows' backlogs (padded to the longest)."""
+def catch_up_rows(runner: Any, rows: list[Any],
+                  packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> None:
+    """One batched draft forward over these rows' backlogs (padded to the longest; `packed`:
+    their `backlog` already built)."""
     dev = runner.device
     T = max(len(s.pending_ids) for s in rows)
-    tokens, feats, counts = backlog(rows, T, dev)
+    tokens, feats, counts = packed or backlog(runner, rows, T)
     valid = counts if len(rows) > 1 else None  # the common case (generate): no padding
     logits, h = runner.draft(rows, tokens, feats, causal_layout([s.draft_len for s in rows], T, valid, dev))
     last = torch.tensor(counts, device=dev) - 1
@@ -147,14 +150,26 @@ def draft_chain(runner: Any, rows: list[Any], root: torch.Tensor, boundary: torc
 def draft_tree(runner: Any, rows: list[Any], shape: TreeShape, counts: list[int],
                fused: Callable[..., tuple[torch.Tensor, ...]] | None = None) -> Proposal:
     """Each row's dynamic tree (`decoding.tree.expand_tree`) after its catch-up; row g keeps its
-    first counts[g] nodes. `fused(root, boundary, start, top_k, depth, n)`: a runner's one-graph
-    expansion of a lone row's full-depth tree, used where it applies."""
-    catch_up(runner, rows, alone_over=max(counts) + 1)
-    root, boundary, starts = root_state(rows)
+    first counts[g] nodes: a lone row through the runner's `one_op_tree` where it has one
+    (catch-up and tree in one C++ call). `fused(root, boundary, start, top_k, depth, n)`: a
+    runner's one-graph expansion of a lone row's full-depth tree, used where it applies."""
     # Deeper levels could not be committed (the round groups rows by this depth); RoPE
     # positions are capped at the cache's end all the same.
     depth = min(shape.depth, max(counts))
     n = min(shape.total_tokens, TreeShape(shape.top_k, depth).max_nodes)  # >= every count
+    s = rows[0]
+    if len(rows) == 1 and s.pending_ids and fused is None:
+        tokens, feats, caught = backlog(runner, [s], len(s.pending_ids))
+        start = s.draft_len + caught[0]  # the tree's, after the catch-up
+        out = runner.one_op_tree(tokens[0], feats[0], s.draft_len, shape.top_k, depth, n,
+                                 runner.max_len - 1 - start)
+        if out is not None:
+            caught_up([s], out[4][None], out[5][None], caught)
+            return Proposal(*out[:4], q=[None], counts=counts)
+        catch_up_rows(runner, [s], (tokens, feats, caught))
+    else:
+        catch_up(runner, rows, alone_over=max(counts) + 1)
+    root, boundary, starts = root_state(rows)
     if fused is not None and len(rows) == 1 and depth == shape.depth:
         return Proposal(*fused(root, boundary, starts[0], shape.top_k, depth, n), q=[None], counts=counts)
     t = expand_tree(lambda tok, feat, lay: runner.draft(rows, tok, feat, lay),
@@ -169,12 +184,13 @@ def draft_chain_proposal(runner: Any, rows: list[Any], counts: list[int]) -> Pro
     step."""
     s = rows[0]
     if len(rows) == 1 and s.sampler is None and s.pending_ids:
-        tokens, feats, caught = backlog([s], len(s.pending_ids), runner.device)
+        tokens, feats, caught = backlog(runner, [s], len(s.pending_ids))
         out = runner.one_op_chain(tokens[0], feats[0], s.draft_len, max(counts))
         if out is not None:
             drafts, root, bound = out
             caught_up([s], root[None], bound[None], caught)
             return Proposal(*chain_proposal(drafts[None]), q=[None], counts=counts, tree=False)
+        catch_up_rows(runner, [s], (tokens, feats, caught))
     catch_up(runner, rows, alone_over=max(counts) + 1)
     root, boundary, starts = root_state(rows)
     errors: dict[int, str] = {}
@@ -198,6 +214,13 @@ class EagerDrafting:
         """A lone greedy row's catch-up (tokens (R,), features (R, H) from position `start`) and
         k drafts as one op: (drafts (k,), root logits (Vd,), boundary feature (H,)), or None
         where this runner has none (then `draft_chain_proposal` steps from Python)."""
+        return None
+
+    def one_op_tree(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, top_k: int,
+                    depth: int, n: int, max_rope: int) -> tuple[torch.Tensor, ...] | None:
+        """A lone row's catch-up (as `one_op_chain`) and its tree as one op: (tokens (1, n),
+        parents, depth, mask, root logits (Vd,), boundary feature (H,)), or None where this
+        runner has none (then `draft_tree` expands it from Python)."""
         return None
 
     def warm(self, max_k: int, start: int) -> None:

@@ -8,7 +8,7 @@ the token after the anchor. A round with `Plan(k, tree)`:
 
     draft      per group of rows sharing a plan, the runner's `draft_chain` / `draft_tree`
                (`decoding.drafting`): teacher-force each row's pending tokens with their
-               target features into the draft (its new root and boundary), then a
+               target taps' features into the draft (its new root and boundary), then a
                `Proposal`: k chain drafts (argmax, or sampled from the draft's q for
                sampled rows), or a dynamic tree (`decoding.tree.expand_tree`). How the
                runner runs them (eager, or fused compiled graphs) is its own affair
@@ -18,7 +18,7 @@ the token after the anchor. A round with `Plan(k, tree)`:
                sampling: a `Verdict` (accepted path, next token)
     commit     the accepted nodes' target K/V to contiguous positions (trees only), the
                target length past them, tokens emitted up to a stop id or max_new_tokens,
-               the accepted path's features queued for the next catch-up, stats
+               the accepted path's taps queued for the next catch-up, stats
 
 The corrected/bonus token never gets a target forward of its own: it is the next
 round's anchor, so a round costs one target forward. Capacity: a row
@@ -112,7 +112,7 @@ def prefill(runner: Runner, seq: SequenceState) -> int:
 
 def verify(runner: Runner, seqs: list[SequenceState],
            proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One target forward over [anchor, the row's nodes] per row: logits (B, T, V), features,
+    """One target forward over [anchor, the row's nodes] per row: logits (B, T, V), taps,
     and the verified tokens (B, T). Rows that do not draft verify their anchor alone."""
     dev = runner.device
     B = len(seqs)

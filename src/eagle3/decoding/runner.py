@@ -8,10 +8,17 @@ A round (`decoding.round`) asks a runner for drafts, one forward and one cache e
                                                      builds both on the runner's `draft`, a lone
                                                      greedy chain on its `one_op_chain` where
                                                      it has one)
-    target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), features (B, T, H) | None
+    target(seqs, tokens (B, T), layout)           -> logits (B, T|1, V), taps (B, T, F) | None
+    features(taps (..., F))                       -> the draft's input features (..., H)
     draft(seqs, tokens (B, T), feats, layout)      -> draft logits (B, T, Vd), next features (B, T, H)
     compact(seq, src positions, dst)              -> the target K/V of an accepted tree path moved
                                                      to contiguous positions
+
+A round keeps the taps of the rows it accepts and turns them into features at the next
+catch-up, all of a row's backlog in one `features` call: rows a round rejects, and the rounds
+that decode plainly, never pay for the head's fc (on the row-invariant kernels the bits are
+those of a call per round; elsewhere the last bits may differ, which changes what is accepted,
+never the output).
 
 How a runner runs them is its own affair: a compiled `StaticRunner` fuses a greedy
 chain (catch-up included) or a tree into one graph where the shapes allow and keeps one
@@ -66,9 +73,14 @@ class Runner(Protocol):
     def one_op_chain(self, tokens: torch.Tensor, feats: torch.Tensor, start: int,
                      k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
+    def one_op_tree(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, top_k: int,
+                    depth: int, n: int, max_rope: int) -> tuple[torch.Tensor, ...] | None: ...
+
     def target(self, seqs: list[Any], tokens: torch.Tensor, layout: Layout, *,
                with_features: bool = True, last_only: bool = False,
                prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def features(self, taps: torch.Tensor) -> torch.Tensor: ...
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -136,8 +148,10 @@ class StaticRunner(EagerDrafting):
             kwargs.update(key_slots=key_slots, attn_mask=mask, rope_pos=rope_pos, key_pos=key_pos)
         elif self.compiled:
             kwargs["key_slots"] = key_slots
-        logits, taps = self.target_model.forward_logits_taps(tokens, slots, self.target_cache, **kwargs)
-        return logits, (self.draft_model.fuse(taps) if taps is not None else None)
+        return self.target_model.forward_logits_taps(tokens, slots, self.target_cache, **kwargs)
+
+    def features(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.draft_model.fuse(taps)
 
     def _eager_draft(self, tokens: torch.Tensor, features: torch.Tensor, slots: torch.Tensor,
                      key_slots: torch.Tensor, mask: torch.Tensor | None,
@@ -189,7 +203,7 @@ class StaticRunner(EagerDrafting):
         n = len(s.pending_ids)
         if s.draft_len + n + k - 1 > self.max_len:  # K steps would pass the cache's end
             k = counts[0]
-        tokens, feats, caught = backlog([s], max(n, min(k + 1, self.max_len - s.draft_len)), self.device)
+        tokens, feats, caught = backlog(self, [s], max(n, min(k + 1, self.max_len - s.draft_len)))
         drafts, root, boundary = self._fused_chain(tokens, feats, s.draft_len, n - 1, k)
         caught_up([s], root[None], boundary[None], caught)
         return Proposal(*chain_proposal(drafts[:, :counts[0]]), q=[None], counts=counts, tree=False)
@@ -224,9 +238,9 @@ class StaticRunner(EagerDrafting):
         for T in range(1, (max_k + 1 if self.has_draft else 1) + 1):
             tokens = torch.zeros(1, T, dtype=torch.long, device=self.device)
             layout = causal_layout([start], T, device=self.device)
-            _, feats = self.target(probe, tokens, layout, with_features=self.has_draft)
+            _, taps = self.target(probe, tokens, layout, with_features=self.has_draft)
             if self.has_draft:
-                self.draft(probe, tokens, feats, layout)
+                self.draft(probe, tokens, self.features(taps), layout)
         if self.has_draft:
             H = self.draft_model.config.hidden_size
             feats = torch.zeros(1, max_k + 1, H, dtype=self.draft_model.dtype, device=self.device)
@@ -268,6 +282,14 @@ class StaticRunner(EagerDrafting):
         if self.compiled:
             return None
         return self.draft_model.greedy_chain(tokens, feats, start, k, self.draft_cache)
+
+    def one_op_tree(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, top_k: int,
+                    depth: int, n: int, max_rope: int) -> tuple[torch.Tensor, ...] | None:
+        """The head's `greedy_tree` on this runner's draft cache (eager runners only)."""
+        if self.compiled:
+            return None
+        return self.draft_model.greedy_tree(tokens, feats, start, top_k, depth, n, max_rope,
+                                            self.draft_cache)
 
     # -- the Runner protocol -------------------------------------------------------------------
     def _place(self, layout: Layout, T: int) -> tuple[torch.Tensor, ...]:

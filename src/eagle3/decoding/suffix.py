@@ -143,12 +143,24 @@ class SuffixProposer:
         request's runs (each counted up to d), shrunk towards the driver's pooled runs, shrunk in
         turn towards the fixed prior (spread evenly over the nodes: the measured gains are of
         SUFFIX_NODES-node proposals)."""
+        return self.gains(length, d)[d]
+
+    def gains(self, length: int, n: int) -> list[float]:
+        """`gain(length, d)` for d = 0..n, in one pass over the histograms (asked every round)."""
         at = min(length, MAX_MATCH)
-        prior = self.prior[at] * d / SUFFIX_NODES
+        est = [self.prior[at] * d / SUFFIX_NODES for d in range(n + 1)]
         for hist in ([self.pool[at]] if self.pool is not None else []) + [self.runs[at]]:
-            seen = sum(c * min(r, d) for r, c in enumerate(hist))
-            prior = (seen + prior * PRIOR_WEIGHT) / (sum(hist) + PRIOR_WEIGHT)
-        return prior
+            total = sum(hist)
+            if not total:  # no runs: the estimate stays
+                continue
+            # seen(d) = sum_r c_r min(r, d): each step in d adds the runs longer than d
+            seen, longer = 0, total - hist[0]
+            for d in range(1, n + 1):
+                seen += longer
+                longer -= hist[d] if d < len(hist) else 0
+                est[d] = (seen + est[d] * PRIOR_WEIGHT) / (total + PRIOR_WEIGHT)
+            est[0] = est[0] * PRIOR_WEIGHT / (total + PRIOR_WEIGHT)
+        return est
 
     def choose(self, length: int, n: int) -> int:
         """Nodes to propose (0..n) after a match of `length`: the most expected tokens per
@@ -157,8 +169,10 @@ class SuffixProposer:
         if b is None or len(b.extra_ms) <= 1:
             return n if self.gain(length, n) >= MIN_GAIN else 0
         best, best_net = 0, 0.0
-        for d in range(1, min(n, len(b.extra_ms) - 1) + 1):
-            net = self.gain(length, d) * b.ms_per_token - b.extra_ms[d]
+        top = min(n, len(b.extra_ms) - 1)
+        gains = self.gains(length, top)
+        for d in range(1, top + 1):
+            net = gains[d] * b.ms_per_token - b.extra_ms[d]
             if net > best_net:
                 best, best_net = d, net
         return best

@@ -88,11 +88,18 @@ def parse_tree(tree: Any) -> TreeShape | None:
 
 def chain_proposal(tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Chains (G, k) as trees: node i's parent is node i - 1. Returns tokens, parents (G, k),
-    depth (G, k+1), ancestor mask (G, k+1, k+1)."""
+    depth (G, k+1), ancestor mask (G, k+1, k+1) (read-only views of one cached set per k)."""
     G, k = tokens.shape
-    n = torch.arange(k + 1, device=tokens.device)
-    return (tokens, n[:-1].expand(G, k), n.expand(G, k + 1),
-            (n[None, :] <= n[:, None]).expand(G, k + 1, k + 1))
+    key = (k, tokens.device)
+    shapes = _CHAINS.get(key)
+    if shapes is None:
+        n = torch.arange(k + 1, device=tokens.device)
+        shapes = _CHAINS[key] = (n[:-1], n, n[None, :] <= n[:, None])
+    parents, depth, mask = shapes
+    return tokens, parents.expand(G, k), depth.expand(G, k + 1), mask.expand(G, k + 1, k + 1)
+
+
+_CHAINS: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # every round asks again
 
 
 DraftStep = Callable[[torch.Tensor, torch.Tensor, Layout], tuple[torch.Tensor, torch.Tensor]]

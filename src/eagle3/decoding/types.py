@@ -163,7 +163,7 @@ class SequenceState:
     target_len: int = 0  # positions with target K/V
     draft_len: int = 0  # positions with draft K/V
     pending_ids: list[int] = field(default_factory=list)  # tokens the draft has not seen
-    pending_feats: list[torch.Tensor] = field(default_factory=list)  # their features (n, H)
+    pending_feats: list[torch.Tensor] = field(default_factory=list)  # their target taps (n, F)
     suffix: SuffixProposer | None = None  # drafts from the text itself (`decoding.suffix`)
     root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
     boundary: torch.Tensor | None = None  # (H,) the feature that follows

@@ -182,7 +182,8 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def chain_op_args(self) -> tuple | None:
-        """`eagle3::draft_chain`'s weights (after tokens, feats, start, k) up to its caches, or
+        """`eagle3::draft_chain`'s weights (after tokens, feats, start, k) up to its caches (and
+        `eagle3::draft_tree`'s, after its tree arguments), or
         None where the head does not run as that op: its layer not one `decoder_layer` op, a
         stock LM head, an embedding other than a float32 table or a tied LM head's codes.
         Rebuilt when the modules it reads change (`.to()`, `fused`, a new embedding)."""
@@ -231,6 +232,29 @@ class Eagle3Draft(nn.Module):
         return torch.ops.eagle3.draft_chain(
             tokens, feats, start, k, *args, cache.k[0], cache.v[0], at.n_heads, at.n_kv,
             self.norm.eps, at.hd ** -0.5, self.config.norm_before_residual)
+
+    def greedy_tree(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, top_k: int, depth: int,
+                    n: int, max_rope: int, cache: StaticKVCache) -> tuple[torch.Tensor, ...] | None:
+        """A lone row's catch-up (as `greedy_chain`), then its dynamic tree of `n` nodes
+        (`decoding.tree.expand_tree`: top_k children of the top_k best frontier nodes for
+        `depth` levels, RoPE positions capped at `max_rope` past the backlog) as one C++ op
+        (`eagle3::draft_tree`): tokens (1, n), parents (1, n), depth (1, n+1), ancestor mask
+        (1, n+1, n+1), the root logits (Vd,) and boundary feature (H,), the bits this module's
+        forward and `expand_tree` give level by level. None where the op does not apply."""
+        if not (type(cache) is StaticKVCache and cache.exact and cache.k[0].shape[0] == 1
+                and fused_step_ok(feats, self.norm.weight)):
+            return None
+        p = start + tokens.shape[0]
+        last_rope = p + min(max_rope, max(depth - 2, 0))  # the deepest expanded level's position
+        if p + top_k * (depth - 1) > cache.max_len or last_rope >= self.rope.cos.shape[0]:
+            return None
+        args = self.chain_op_args()
+        if args is None:
+            return None
+        at = self.midlayer.self_attn
+        return torch.ops.eagle3.draft_tree(
+            tokens, feats, start, top_k, depth, n, max_rope, *args, cache.k[0], cache.v[0], at.n_heads,
+            at.n_kv, self.norm.eps, at.hd ** -0.5, self.config.norm_before_residual)
 
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
                 cache: StaticKVCache, *, kv_len: int | None = None,

@@ -267,11 +267,13 @@ class PagedRunner(EagerDrafting):
                prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         write, read, rope, mask, key_pos = self._place(seqs, layout, tokens.shape[1])
         self.tkv.prepare(read, self._start)
-        logits, taps = self.target_model.forward_logits_taps(
+        return self.target_model.forward_logits_taps(
             tokens, write, self.tkv, attn_mask=mask, rope_pos=rope, key_pos=key_pos,
             key_slots=slots_upto(read.shape[1], self.device), last_only=last_only,
             with_taps=with_features and self.has_draft, taps=self.taps, prefill=prefill)
-        return logits, (self.draft_model.fuse(taps) if taps is not None else None)
+
+    def features(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.draft_model.fuse(taps)
 
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,6 +166,9 @@ class ProgramRunner(EagerDrafting):
         ids, feature = verify(tokens, pos)
         return self._scores(ids), feature
 
+    def features(self, taps: torch.Tensor) -> torch.Tensor:
+        return taps  # the program's target_verify returns the draft's features already
+
     def draft(self, seqs: list[Any], tokens: torch.Tensor, features: torch.Tensor,
               layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         ids, h = self.contract.draft_decode(tokens, features, self._positions(layout, tokens.shape[1]))

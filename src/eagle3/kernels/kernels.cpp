@@ -454,6 +454,11 @@ TORCH_LIBRARY(eagle3, m) {
         "Tensor[] gate_up, Tensor[] down, int[] fmts, int[] ns, Tensor[] lm_head, int lm_fmt, Tensor d2t, "
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int nh, int nkv, float eps, float scale, "
         "bool norm_before_residual) -> (Tensor, Tensor, Tensor)");
+  m.def("draft_tree(Tensor tokens, Tensor feats, int start, int top_k, int depth, int n, int max_rope, "
+        "Tensor[] embed, int embed_fmt, Tensor hidden_norm, Tensor input_norm, Tensor post_norm, Tensor final_norm, "
+        "Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] fmts, int[] ns, Tensor[] lm_head, "
+        "int lm_fmt, Tensor d2t, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int nh, int nkv, "
+        "float eps, float scale, bool norm_before_residual) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool gemma) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -473,5 +478,6 @@ TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layer", &decoder_layer);
   m.impl("draft_chain", &draft_chain);
+  m.impl("draft_tree", &draft_tree);
   m.impl("argmax", &argmax);
 }
