@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/eagle3 generate --chat "Explain in three sentences why the sky is blue." \
 		--max-new-tokens 128 --compare
+	$(BIN)/eagle3 generate --chat "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation." \
+		--max-new-tokens 128 --compare
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests recipes
