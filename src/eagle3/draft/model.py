@@ -220,18 +220,9 @@ class Eagle3Draft(nn.Module):
         in target ids, the root logits (Vd,) at the backlog's last row and its feature (H,), the
         bits this module's forward and `kernels.argmax` give step by step. None where the op does
         not apply (`chain_op_args`, a cache other than an exact static one, autograd, export)."""
-        if not (type(cache) is StaticKVCache and cache.exact and cache.k[0].shape[0] == 1
-                and fused_step_ok(feats, self.norm.weight)):
-            return None
-        if start + tokens.shape[0] + k - 1 > min(cache.max_len, self.rope.cos.shape[0]):
-            return None
-        args = self.chain_op_args()
-        if args is None:
-            return None
-        at = self.midlayer.self_attn
-        return torch.ops.eagle3.draft_chain(
-            tokens, feats, start, k, *args, cache.k[0], cache.v[0], at.n_heads, at.n_kv,
-            self.norm.eps, at.hd ** -0.5, self.config.norm_before_residual)
+        fits = start + tokens.shape[0] + k - 1 <= min(cache.max_len, self.rope.cos.shape[0])
+        args = self._op_args(feats, cache) if fits else None
+        return None if args is None else torch.ops.eagle3.draft_chain(tokens, feats, start, k, *args)
 
     def greedy_tree(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, top_k: int, depth: int,
                     n: int, max_rope: int, cache: StaticKVCache) -> tuple[torch.Tensor, ...] | None:
@@ -241,20 +232,26 @@ class Eagle3Draft(nn.Module):
         (`eagle3::draft_tree`): tokens (1, n), parents (1, n), depth (1, n+1), ancestor mask
         (1, n+1, n+1), the root logits (Vd,) and boundary feature (H,), the bits this module's
         forward and `expand_tree` give level by level. None where the op does not apply."""
-        if not (type(cache) is StaticKVCache and cache.exact and cache.k[0].shape[0] == 1
-                and fused_step_ok(feats, self.norm.weight)):
-            return None
         p = start + tokens.shape[0]
         last_rope = p + min(max_rope, max(depth - 2, 0))  # the deepest expanded level's position
-        if p + top_k * (depth - 1) > cache.max_len or last_rope >= self.rope.cos.shape[0]:
+        fits = p + top_k * (depth - 1) <= cache.max_len and last_rope < self.rope.cos.shape[0]
+        args = self._op_args(feats, cache) if fits else None
+        return None if args is None else torch.ops.eagle3.draft_tree(
+            tokens, feats, start, top_k, depth, n, max_rope, *args)
+
+    def _op_args(self, feats: torch.Tensor, cache: StaticKVCache) -> tuple | None:
+        """The drafting ops' arguments after their own (`chain_op_args`, the cache, the head's
+        shapes), or None where they do not apply: a cache other than an exact static one of one
+        row, autograd, export, a head that does not run as the ops."""
+        if not (type(cache) is StaticKVCache and cache.exact and cache.k[0].shape[0] == 1
+                and fused_step_ok(feats, self.norm.weight)):
             return None
         args = self.chain_op_args()
         if args is None:
             return None
         at = self.midlayer.self_attn
-        return torch.ops.eagle3.draft_tree(
-            tokens, feats, start, top_k, depth, n, max_rope, *args, cache.k[0], cache.v[0], at.n_heads,
-            at.n_kv, self.norm.eps, at.hd ** -0.5, self.config.norm_before_residual)
+        return (*args, cache.k[0], cache.v[0], at.n_heads, at.n_kv, self.norm.eps, at.hd ** -0.5,
+                self.config.norm_before_residual)
 
     def forward(self, tokens: torch.Tensor, feature: torch.Tensor, input_pos: torch.Tensor,
                 cache: StaticKVCache, *, kv_len: int | None = None,
