@@ -717,6 +717,24 @@ def test_the_one_op_tree_runs_in_generate():
         assert n == r.stats["rounds"], (proposer, n, r.stats["rounds"])
 
 
+def test_the_one_op_tree_is_lossless_to_the_cache_end():
+    """Trees of the default drafted through `eagle3::draft_tree` up to the cache's last slot
+    (the tree shrinks to the room left, RoPE positions capped) give plain decoding's tokens."""
+    from torch.profiler import profile
+
+    s = eagle3.load("default", max_seq_len=64)
+    plain = s.plain()
+    for plen in (20, 40, 55):
+        ids = s.tokenizer.encode("List the planets of the solar system, then list them again. " * 8)[:plen]
+        n = 64 - plen
+        with profile() as prof:
+            r = s.generate(ids, n, proposer="eagle", tree=dict(top_k=3, depth=6, total_tokens=12),
+                           stop_token_ids=[])
+        calls = sum(e.count for e in prof.key_averages() if e.key == "eagle3::draft_tree")
+        assert r.token_ids == plain.generate(ids, n, stop_token_ids=[]).token_ids
+        assert len(r.token_ids) == n and calls > 0
+
+
 @pytest.fixture(scope="module")
 def ctx_dir(tmp_path_factory):
     """A target whose attention changes its output (tests/heads.py)."""
