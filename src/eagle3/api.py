@@ -7,11 +7,10 @@ import os
 import torch
 
 from .errors import Eagle3Error, notice
-from .kernels import WeightFormat, prepare_target
+from .kernels import WeightFormat
 from .speculator import Eagle3Speculator
-from .targets import open_target, resolve_dtype
+from .targets import open_target, prepare_loaded, resolve_dtype
 from .targets.decoder import NativeTarget
-from .targets.gguf import check_built
 from .tokenizer import load_tokenizer
 
 
@@ -46,59 +45,24 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
     but 'none' gives speculative output bit-identical to plain decoding. The head takes the
     same format when quantized.
     """
-    from .default import default_head_dir
-    from .draft import attach_head, load_head
-
     if not isinstance(target, str) or not target:
         raise Eagle3Error("target must be a checkpoint directory or 'default'")
     dev = resolve_device(device)
     fmt = WeightFormat.parse(quantize)  # once: a bad name fails before any loading
     if backend == "executorch" or program is not None:
-        if fmt.named and fmt.fmt is not None:
-            raise Eagle3Error("an exported program's weight format is chosen at export "
-                              "(eagle3 export --quantize); drop quantize")
-        if dev.type != "cpu":
-            raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
+        _check_program_args(fmt, dev)
         return calibrated(_load_program(target, draft, dtype, backend, max_seq_len, taps, compile,
                                         program), calibrate)
-    if draft is not None and not isinstance(draft, str):
-        raise Eagle3Error("draft must be a head directory, 'none' or None")
-    if compile and backend == "hf":
-        raise Eagle3Error("compile needs the native backend (backend='hf' runs the target through "
-                          "transformers); use backend='native' or 'auto', or drop compile")
-    if draft is None and target == "default":
-        draft = default_head_dir()
-    head = None
-    if draft not in (None, "none"):
-        if not os.path.isdir(draft):
-            raise Eagle3Error(f"draft head '{draft}' is not a directory: pass an EAGLE-3 head "
-                              "directory (config.json + weights) or 'none'")
-        if not os.path.isfile(os.path.join(draft, "config.json")):
-            raise Eagle3Error(f"draft head {draft} has no config.json: pass an EAGLE-3 head "
-                              "directory (official, SGLang or speculators format) or 'none'")
+    draft = _check_draft(target, draft, backend, compile)
     # Decided once, before loading: whether a GGUF's own codes will be used; then its
     # quantized layers are never built in float32.
     codes_only = dev.type == "cpu" and fmt.takes_codes(resolve_dtype(dtype) == torch.float32)
     tgt, codes = open_target(target, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
                              gguf_codes_only=codes_only)
-    if draft not in (None, "none"):
-        _, head = load_head(draft, dtype=resolve_dtype(dtype), max_len=tgt.config.max_seq_len)
-        attach_head(head, tgt, where=f"head {draft}", taps=taps)
-    if dev.type != "cpu":
-        tgt.to(dev)
-        if head is not None:
-            head.to(dev)
+    head = _load_head(draft, dtype, tgt, taps)
+    fmt = prepare_loaded(tgt, fmt, codes, head, codes_only=codes_only, device=dev)
     if isinstance(tgt, NativeTarget):
-        # 'auto': a quantized GGUF's own codes; a float GGUF or a safetensors checkpoint: float32
-        fmt = fmt.settle(codes_only and codes is not None and codes.stored_quantized)
-        prepare_target(tgt, fmt, head, codes.layers() if codes is not None else None)
-        if codes_only:
-            tgt.embed_from_codes(head)  # a tied Q8_0 / Q4 table: no float32 copy
-            check_built(tgt)
         return_freed_memory()
-    elif fmt.named and fmt.fmt is not None:
-        raise Eagle3Error("quantize needs the native backend (this target runs through "
-                          "transformers); use backend='native' or 'auto'")
     if head is not None and not getattr(tgt, "exact", False):
         notice(f"{inexact_reason(tgt, fmt, dev)}: the verify forward over K+1 tokens may round "
                "differently from a 1-token step, so speculative output can differ from plain "
@@ -106,6 +70,51 @@ def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | No
                "bf16, int8, int4 or gguf) is bit-identical")
     spec = Eagle3Speculator(tgt, head, load_tokenizer(target))
     return calibrated(spec.compile() if compile else spec, calibrate)
+
+
+def _check_program_args(fmt: WeightFormat, dev: torch.device) -> None:
+    """What an exported program fixes at export: its weight format and device."""
+    if fmt.named and fmt.fmt is not None:
+        raise Eagle3Error("an exported program's weight format is chosen at export "
+                          "(eagle3 export --quantize); drop quantize")
+    if dev.type != "cpu":
+        raise Eagle3Error("an exported program runs on the CPU; drop device (--device)")
+
+
+def _check_draft(target: str, draft: object, backend: str, compile: bool) -> str | None:
+    """One-line errors for the eager path's arguments before anything loads; returns the head
+    directory to load (the default head for 'default' when none is named), or None."""
+    from .default import default_head_dir
+
+    if draft is not None and not isinstance(draft, str):
+        raise Eagle3Error("draft must be a head directory, 'none' or None")
+    if compile and backend == "hf":
+        raise Eagle3Error("compile needs the native backend (backend='hf' runs the target through "
+                          "transformers); use backend='native' or 'auto', or drop compile")
+    if draft is None and target == "default":
+        draft = default_head_dir()
+    if draft in (None, "none"):
+        return None
+    if not os.path.isdir(draft):
+        raise Eagle3Error(f"draft head '{draft}' is not a directory: pass an EAGLE-3 head "
+                          "directory (config.json + weights) or 'none'")
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        raise Eagle3Error(f"draft head {draft} has no config.json: pass an EAGLE-3 head "
+                          "directory (official, SGLang or speculators format) or 'none'")
+    return draft
+
+
+def _load_head(draft: str | None, dtype: torch.dtype | str | None, target: object,
+               taps: object) -> torch.nn.Module | None:
+    """The head in `draft` (None: no speculation), its caches as long as the target's, attached
+    to the target (its embedding table and taps: `draft.attach_head`)."""
+    if draft is None:
+        return None
+    from .draft import attach_head, load_head
+
+    head = load_head(draft, dtype=resolve_dtype(dtype), max_len=target.config.max_seq_len)[1]
+    attach_head(head, target, where=f"head {draft}", taps=taps)
+    return head
 
 
 def calibrated(spec: Eagle3Speculator, calibrate: bool) -> Eagle3Speculator:

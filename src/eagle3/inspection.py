@@ -7,7 +7,8 @@ from typing import Any
 
 from .errors import Eagle3Error
 from .targets.checkpoint import weight_files
-from .targets.config import NATIVE_FAMILIES, parse_decoder_config, read_config_json
+from .targets.config import parse_decoder_config, read_config_json
+from .targets.families import FAMILIES
 from .targets.protocol import default_taps
 
 # Other spellings of the sizes in configs the native targets do not cover (GPT-2, T5-style, ...).
@@ -159,7 +160,7 @@ def _inspect_path(path: str) -> dict[str, Any]:
     info: dict[str, Any] = {"path": path, "kind": "target",
                             "architecture": (raw.get("architectures") or ["?"])[0],
                             "model_type": raw.get("model_type")}
-    if raw.get("model_type") in NATIVE_FAMILIES:
+    if raw.get("model_type") in FAMILIES:
         L = _native_info(info, raw, os.path.join(path, "config.json"))
     else:
         try:

@@ -80,6 +80,7 @@ class _Method(nn.Module):
 
 def check_exportable(spec: Any, max_seq_len: int, max_draft_tokens: int) -> None:
     """Refuse, with a one-line reason, what the exported kernels cannot compute exactly."""
+    from ..targets import forward_bounds
     from ..targets.decoder import NativeTarget
 
     target = spec.target
@@ -99,8 +100,9 @@ def check_exportable(spec: Any, max_seq_len: int, max_draft_tokens: int) -> None
                           f"{min(windows)} or less")
     if spec.target.lm_head.weight.dtype != torch.float32:
         raise Eagle3Error("export runs in float32: load the target without dtype (or dtype='fp32')")
-    if not 2 <= max_seq_len <= cfg.max_seq_len:
-        raise Eagle3Error(f"max_seq_len must be in 2..{cfg.max_seq_len} (the target's), got {max_seq_len}")
+    shortest, longest = forward_bounds(target)  # the family's registered bounds
+    if not shortest <= max_seq_len <= longest:
+        raise Eagle3Error(f"max_seq_len must be in {shortest}..{longest} (the target's), got {max_seq_len}")
     if not 1 <= max_draft_tokens < max_seq_len - 1:
         raise Eagle3Error(f"max_draft_tokens must be in 1..{max_seq_len - 2}, got {max_draft_tokens}")
 

@@ -346,6 +346,13 @@ class WeightFormat:
         return WeightFormat("gguf", 32, True, spec="gguf") if stored_quantized else WeightFormat(
             "float32", spec=self.spec)
 
+    def kv_dtype(self, exact: bool) -> torch.dtype | None:
+        """The KV cache's dtype that goes with this format on a target whose kernels are
+        row-invariant (`exact`): bf16 with packed weights, half the cache's bytes (faster past
+        ~1k positions) for an error ~10x below int8 activations' (docs/weight-formats.md, "KV
+        cache in bf16"); None (the weights' dtype) for float weights and stock layers."""
+        return torch.bfloat16 if exact and self.fmt in ("int8", "int4", "gguf") else None
+
     @property
     def name(self) -> str | None:
         """The format as a target reports it (`weight_format`): e.g. 'int4-g32', 'gguf'."""

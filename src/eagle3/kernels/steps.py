@@ -74,6 +74,7 @@ def prepare_target(target: nn.Module, quantize: str | WeightFormat | None,
     layers (not row-invariant; export and training use them); 'fp32' | 'bf16' | 'int8' | 'int4'
     (optionally '-gN'); 'gguf' with `layer` building each layer from a GGUF file's codes
     (`targets.gguf.GGUFCodes.layers`). Returns the format in use, or None for stock layers.
+    The KV cache's dtype goes with the format (`WeightFormat.kv_dtype`), set by the loader.
     """
     wf = WeightFormat.parse(quantize)
     if wf.auto:
@@ -98,11 +99,6 @@ def prepare_target(target: nn.Module, quantize: str | WeightFormat | None,
         quantize_model(target, wf.fmt, wf.group)
     target.exact = dev.type == "cpu" and kernel_available()
     use_fused_steps(target, draft, on=target.exact)
-    # bf16 KV with packed weights: half the cache's bytes (faster past ~1k positions) for an
-    # error ~10x below int8 activations' (docs/weight-formats.md, "KV cache in bf16"); float
-    # weights keep fp32.
-    if hasattr(target, "kv_dtype"):
-        target.kv_dtype = torch.bfloat16 if target.exact and wf.fmt in ("int8", "int4", "gguf") else None
     target.weight_format = wf.name
     if draft is not None:  # the head only proposes: speed, not exactness (float32 stays float32)
         quantize_model(draft, "int4" if wf.fmt == "gguf" else wf.fmt, wf.group)

@@ -15,16 +15,10 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import Eagle3Error, NotNative, wrong_values_as
+from .families import FAMILIES, Family
 
-# model_type -> family. The family decides the block layout and norms.
-NATIVE_FAMILIES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "gemma2": "gemma",
-    "gemma3_text": "gemma",
-}
+# model_type -> `families.Family`: every family the native decoder loads (the old name).
+NATIVE_FAMILIES = FAMILIES
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -157,7 +151,8 @@ def _size(cfg: dict, key: str, where: str, default: int | None = None, limit: in
     return value
 
 
-def _layer_types(cfg: dict, model_type: str, n_layers: int, where: str) -> list[str]:
+def _layer_types(cfg: dict, family: Family, n_layers: int, where: str) -> list[str]:
+    """Each layer's attention kind: config.json's `layer_types` when listed, else the family's rule."""
     types = cfg.get("layer_types")
     if types:
         kinds = ("full_attention", "sliding_attention")
@@ -165,18 +160,7 @@ def _layer_types(cfg: dict, model_type: str, n_layers: int, where: str) -> list[
             raise Eagle3Error(f"{where}: layer_types must list {n_layers} entries of {' / '.join(kinds)}, "
                               f"got {str(types)[:60]}; fix config.json")
         return list(types)
-    if model_type == "gemma2":
-        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
-    if model_type == "gemma3_text":
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(n_layers)]
-    if model_type == "mistral" and cfg.get("sliding_window"):
-        return ["sliding_attention"] * n_layers
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-        first = int(cfg.get("max_window_layers", n_layers))
-        return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    return ["full_attention"] * n_layers
+    return family.layer_types(cfg, n_layers)
 
 
 def parse_decoder_config(cfg: dict, where: str = "config.json",
@@ -188,12 +172,13 @@ def parse_decoder_config(cfg: dict, where: str = "config.json",
 
 def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> DecoderConfig:
     model_type = cfg.get("model_type")
-    if model_type not in NATIVE_FAMILIES:
-        supported = ", ".join(sorted(NATIVE_FAMILIES))
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
         raise NotNative(f"{where}: model_type '{model_type}' has no native target (supported: "
                           f"{supported}); load it through the transformers adapter with "
                           "backend='hf' (--backend hf)")
-    gemma = NATIVE_FAMILIES[model_type] == "gemma"
+    family = FAMILIES[model_type]
+    gemma = family.gemma
     H = _size(cfg, "hidden_size", where)
     n_heads = _size(cfg, "num_attention_heads", where)
     n_kv = _size(cfg, "num_key_value_heads", where, default=n_heads)
@@ -205,7 +190,7 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
     max_pos = _size(cfg, "max_position_embeddings", where, default=4096)
 
     # RoPE: transformers 5 `rope_parameters` or the older top-level keys.
-    types = _layer_types(cfg, model_type, n_layers, where)
+    types = _layer_types(cfg, family, n_layers, where)
     rp = cfg.get("rope_parameters")
     base = float(cfg.get("rope_theta", 10000.0))
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
@@ -217,8 +202,8 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
         scaling = cfg.get("rope_scaling")
         global_rope = rope_from_dict(scaling, base, where)
         ropes = {t: global_rope for t in set(types)}
-        if model_type == "gemma3_text" and "sliding_attention" in ropes:
-            local = float(cfg.get("rope_local_base_freq", 10000.0))
+        if family.local_rope_key and "sliding_attention" in ropes:
+            local = float(cfg.get(family.local_rope_key, 10000.0))
             ropes["sliding_attention"] = RopeConfig(theta=local)
             _check_rope(ropes["sliding_attention"], where)
 
@@ -241,7 +226,7 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
 
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    seq = min(max_pos, max_seq_len) if max_seq_len else min(max_pos, 4096)
+    seq = min(max_pos, max_seq_len or family.max_forward_len)
     return DecoderConfig(
         model_type=model_type, vocab_size=_size(cfg, "vocab_size", where), hidden_size=H,
         intermediate_size=_size(cfg, "intermediate_size", where),
@@ -249,12 +234,12 @@ def _parse_decoder_config(cfg: dict, where: str, max_seq_len: int | None) -> Dec
         head_dim=head_dim, max_position_embeddings=max_pos,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias", False)),
+        o_bias=not family.qkv_bias and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text"), gemma=gemma, act=act_map[act],
+        qk_norm=family.qk_norm, gemma=gemma, act=act_map[act],
         attn_scale=scale,
-        attn_softcap=cfg.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        attn_softcap=cfg.get("attn_logit_softcapping") if family.attn_softcap else None,
         final_softcap=cfg.get("final_logit_softcapping"),
         layer_windows=windows, layer_rope=tuple(ropes[t] for t in types),
         eos_token_ids=tuple(int(e) for e in eos_ids), bos_token_id=cfg.get("bos_token_id"),

@@ -17,7 +17,7 @@ from torch import nn
 from ..cache import StaticKVCache, slots_upto
 from ..kernels import FMT_ID, QLinear, fused_step_ok, project
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
-from .protocol import default_taps, validate_taps
+from .protocol import TapLayers
 
 
 class RMSNorm(nn.Module):
@@ -359,7 +359,7 @@ class CodesEmbedding(nn.Module):
         return rows.view(*tokens.shape, self.embedding_dim)
 
 
-class NativeTarget(nn.Module):
+class NativeTarget(TapLayers, nn.Module):
     """A `TapTarget` implemented in plain PyTorch with a static KV cache."""
 
     def __init__(self, cfg: DecoderConfig, taps: tuple[int, ...] | None = None) -> None:
@@ -373,13 +373,13 @@ class NativeTarget(nn.Module):
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self.layer_window_idx = [self.windows.index(w) for w in cfg.layer_windows]
         self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.gemma else None
-        self._taps: tuple[int, ...] = ()
         # Row-invariant kernels (`kernels.prepare_target`): verify rows == decode rows bitwise.
         self.exact = False
         self.weight_format: str | None = None  # a `kernels.FORMATS` name once prepared
-        # The KV cache's dtype (None: the weights' dtype). `kernels.prepare_target` sets bf16 for
-        # the packed formats: half the cache's memory and reads, each element rounded alone
-        # (row-invariant), an error far below int8 activations' (docs/weight-formats.md, "KV cache in bf16").
+        # The KV cache's dtype (None: the weights' dtype), chosen with the weight format
+        # (`WeightFormat.kv_dtype`, set by `targets.prepare_loaded`): bf16 for the packed formats,
+        # half the cache's memory and reads, each element rounded alone (row-invariant), an error
+        # far below int8 activations' (docs/weight-formats.md, "KV cache in bf16").
         self.kv_dtype: torch.dtype | None = None
         if taps is not None:
             self.tap_layers = taps
@@ -400,17 +400,6 @@ class NativeTarget(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self
-
-    # -- taps -----------------------------------------------------------------
-    @property
-    def tap_layers(self) -> tuple[int, ...]:
-        if not self._taps:  # resolved lazily so small targets load before taps are chosen
-            self._taps = default_taps(self.config.num_hidden_layers)
-        return self._taps
-
-    @tap_layers.setter
-    def tap_layers(self, layers) -> None:
-        self._taps = validate_taps(layers, self.config.num_hidden_layers)
 
     # -- protocol -------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import Eagle3Error
+from .families import FAMILIES, gguf_families
 
-# GGUF `general.architecture` -> HF model_type.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                 "gemma2": "gemma2", "gemma3": "gemma3_text"}
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-# llama.cpp stores q/k of these architectures with the RoPE halves interleaved.
-PERMUTED = ("llama", "mistral")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -143,9 +139,9 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     if arch in ("clip", "mmproj") or kind == "mmproj":
         raise Eagle3Error(f"{path} is a vision projector (mmproj), not a language model: pass the "
                           "text model's GGUF")
-    if arch not in ARCHITECTURES:
+    if arch not in gguf_families():
         raise Eagle3Error(f"{path}: GGUF architecture '{arch}' is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}); convert the Hugging Face checkpoint instead "
+                          f"{', '.join(gguf_families())}); convert the Hugging Face checkpoint instead "
                           "and load it with backend='hf'")
     rows = {t.name: int(t.shape[-1]) for t in reader.tensors}
     if "rope_freqs.weight" in rows:
@@ -173,9 +169,9 @@ def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
     if not vocab:
         raise Eagle3Error(f"{where}: no token_embd.weight tensor and no vocabulary size; the file is "
                           "incomplete: re-download or re-convert it")
-    model_type = ARCHITECTURES[arch]
+    family = gguf_families()[arch]
     cfg = {
-        "model_type": model_type, "architectures": [f"{arch} (GGUF)"],
+        "model_type": family.model_type, "architectures": [f"{arch} (GGUF)"],
         "hidden_size": int(H), "intermediate_size": int(get("feed_forward_length") or 4 * H),
         "num_hidden_layers": layers, "num_attention_heads": int(heads),
         "num_key_value_heads": int(get("attention.head_count_kv") or heads), "head_dim": head_dim,
@@ -197,25 +193,7 @@ def _hf_config(meta: dict, arch: str, rows: dict[str, int], where: str) -> dict:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
     if get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
-    if model_type in ("gemma2", "gemma3_text"):
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        # llama.cpp scales q by 1/sqrt(head_dim), except the 27B models (1/sqrt(H/heads)).
-        is_27b = layers == (46 if model_type == "gemma2" else 62)
-        cfg["query_pre_attn_scalar"] = H // heads if is_27b else head_dim
-        if model_type == "gemma2":
-            cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
-            cfg["final_logit_softcapping"] = get("final_logit_softcapping")
-        else:
-            # Without these keys llama.cpp runs Gemma 3's local layers at RoPE base 10000 and
-            # makes every 6th layer global.
-            cfg["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
-            pattern = get("attention.sliding_window_pattern", 6) or 6
-            if isinstance(pattern, list):  # per layer: True = sliding
-                cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-            else:
-                cfg["sliding_window_pattern"] = int(pattern)
-    if model_type == "qwen2":
-        cfg["attention_bias"] = False  # the native Qwen2 layout always has q/k/v bias
+    cfg.update(family.gguf_config(get, cfg))
     return cfg
 
 
@@ -363,7 +341,8 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
     holds the model in float32)."""
     from .decoder import placeholder
 
-    gemma = ckpt.config["model_type"] in ("gemma2", "gemma3_text")
+    family = FAMILIES[ckpt.config["model_type"]]
+    gemma = family.gemma
     n_head, n_kv = ckpt.config["num_attention_heads"], ckpt.config["num_key_value_heads"]
     state, unused = {}, []
     named = [(t, _hf_name(t.name, gemma)) for t in ckpt.reader.tensors]
@@ -377,7 +356,7 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
             unused.append(t.name)
             continue
         if name in stub:
-            permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
+            permute = family.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
             N, K = (int(n) for n in reversed(t.shape))
             if permute and N % (2 * heads):  # a shape that does not split into heads: the full path says so
@@ -391,7 +370,7 @@ def state_dict(ckpt: GGUFCheckpoint, blocks: dict | None = None, types: dict | N
         w = _dequantize(t, ckpt.path)
         if types is not None:
             types[name] = t.tensor_type.name
-        permute = ckpt.arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
+        permute = family.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
         heads = n_head if "q_proj" in name else n_kv
         if permute and (w.dim() != 2 or w.shape[0] % (2 * heads)):
             raise Eagle3Error(f"{ckpt.path}: tensor {t.name} has shape {tuple(w.shape)}, which does "

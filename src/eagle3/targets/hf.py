@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import Eagle3Error
-from .protocol import TargetConfig, default_taps, validate_taps
+from .protocol import TapLayers, TargetConfig
 
 
 class HFCache:
@@ -53,7 +53,7 @@ def crop_cache(cache: Any, length: int) -> None:
         cache.crop(length - cached)
 
 
-class HFTarget:
+class HFTarget(TapLayers):
     """Wraps a loaded `transformers` causal LM (eval mode, no grad)."""
 
     def __init__(self, model: Any, max_seq_len: int | None = None,
@@ -73,19 +73,8 @@ class HFTarget:
             max_seq_len=min(max_pos, max_seq_len) if max_seq_len else min(max_pos, 4096),
             eos_token_ids=tuple(int(e) for e in eos_ids), bos_token_id=getattr(cfg, "bos_token_id", None),
             architecture=(getattr(cfg, "architectures", None) or [""])[0])
-        self._taps: tuple[int, ...] = ()
         if taps is not None:
             self.tap_layers = taps
-
-    @property
-    def tap_layers(self) -> tuple[int, ...]:
-        if not self._taps:
-            self._taps = default_taps(self.config.num_hidden_layers)
-        return self._taps
-
-    @tap_layers.setter
-    def tap_layers(self, layers) -> None:
-        self._taps = validate_taps(layers, self.config.num_hidden_layers)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens)

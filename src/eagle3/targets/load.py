@@ -1,11 +1,11 @@
 """Loading targets: the `TARGETS` registry, `load_target` and the loaders behind it.
 
-`load_target(path)` picks the native PyTorch decoder when the checkpoint's
-`model_type` is supported (see `NATIVE_FAMILIES`), else the transformers
-adapter `HFTarget` (with a notice), or whichever `backend=` asks for. A
-family's `TargetSpec.max_forward_len` is the cache length (and the longest
-forward) a target gets when the caller names none; `eagle3 export` bounds its
-methods by the loaded target's length.
+`load_target(path)` loads a checkpoint through its family's `TARGETS[model_type].load` (the
+native PyTorch decoder) when the family is in `families.FAMILIES`, else the transformers
+adapter `HFTarget` (with a notice), or whichever `backend=` asks for. A family's
+`TargetSpec.max_forward_len` is the cache length (and the longest forward) a target gets when
+the caller names none, `min_forward_len` + 1 the shortest cache it accepts; `eagle3 export`
+bounds its methods by them (`forward_bounds`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 
 from ..errors import Eagle3Error, NotNative, notice
 from .checkpoint import load_into, read_state_dict
-from .config import NATIVE_FAMILIES, DecoderConfig, parse_decoder_config, read_config_json
+from .config import DecoderConfig, parse_decoder_config, read_config_json
 from .decoder import NativeTarget
+from .families import FAMILIES, Family
 from .gguf import GGUFCodes, find_gguf
 from .hf import HFTarget
 from .named import default_target_dir, resolve_target
@@ -188,17 +189,35 @@ class TargetSpec:
     description: str = ""
 
 
+def family_spec(family: Family) -> TargetSpec:
+    """A native family's registry entry: the native loader and the family's forward bounds."""
+    return TargetSpec(load_native, family.max_forward_len, family.min_forward_len, family.description)
+
+
 TARGETS: dict[str, TargetSpec] = {
-    "llama": TargetSpec(load_native, 4096, 1, "Llama 2/3/3.1 (rope_scaling none, linear, llama3)"),
-    "mistral": TargetSpec(load_native, 4096, 1, "Mistral (sliding window)"),
-    "qwen2": TargetSpec(load_native, 4096, 1, "Qwen2 / Qwen2.5 (q/k/v bias)"),
-    "qwen3": TargetSpec(load_native, 4096, 1, "Qwen3 (q/k RMSNorm)"),
-    "gemma2": TargetSpec(load_native, 4096, 1, "Gemma 2 (soft-capping, sliding window)"),
-    "gemma3_text": TargetSpec(load_native, 4096, 1, "Gemma 3 text (q/k norm, local/global RoPE)"),
+    **{name: family_spec(f) for name, f in FAMILIES.items()},
     "hf": TargetSpec(load_hf, 4096, 1, "any transformers AutoModelForCausalLM (adapter)"),
     "gguf": TargetSpec(load_gguf, 4096, 1, "a GGUF file (llama.cpp): llama, qwen2, qwen3, gemma2, gemma3"),
     "default": TargetSpec(_load_default, 4096, 1, "the embedded default: SmolLM2-135M-Instruct (GGUF)"),
 }
+
+
+def register_family(family: Family) -> Family:
+    """Add `family` to the table and the registry at run time (a family outside this package);
+    one written in `families.py` is registered by its line in `FAMILIES`."""
+    if family.model_type in TARGETS and family.model_type not in FAMILIES:
+        raise Eagle3Error(f"'{family.model_type}' already names a target kind; pick another model_type")
+    FAMILIES[family.model_type] = family
+    TARGETS[family.model_type] = family_spec(family)
+    return family
+
+
+def forward_bounds(target: TapTarget) -> tuple[int, int]:
+    """The cache lengths a loaded target accepts, (shortest, longest): its registry entry's
+    `min_forward_len` + 1 (a prompt token and one more), and the length it was loaded with."""
+    kind = target.config.model_type if isinstance(target, NativeTarget) else "hf"
+    return TARGETS.get(kind, TARGETS["hf"]).min_forward_len + 1, target.config.max_seq_len
+
 
 BACKENDS = ("auto", "native", "hf")
 
@@ -222,11 +241,16 @@ def open_target(target: str, *, dtype: torch.dtype | str | None = None, backend:
     target with quantize='gguf' and those codes)."""
     if backend not in BACKENDS:
         raise Eagle3Error(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
-    if max_seq_len is not None and max_seq_len < 2:  # every family's min_forward_len is 1
-        raise Eagle3Error(f"max_seq_len must be >= 2, got {max_seq_len}")
+    shortest = min(spec.min_forward_len for spec in TARGETS.values()) + 1
+    if max_seq_len is not None and max_seq_len < shortest:
+        raise Eagle3Error(f"max_seq_len must be >= {shortest}, got {max_seq_len}")
 
-    def kw(family: str) -> dict:  # the family's bound when the caller names no length
-        return dict(dtype=dtype, max_seq_len=max_seq_len or TARGETS[family].max_forward_len, taps=taps)
+    def kw(kind: str) -> dict:  # the registry's bounds when the caller names no length
+        spec = TARGETS[kind]
+        if max_seq_len is not None and max_seq_len <= spec.min_forward_len:
+            raise Eagle3Error(f"max_seq_len must be >= {spec.min_forward_len + 1} for {kind} targets, "
+                              f"got {max_seq_len}")
+        return dict(dtype=dtype, max_seq_len=max_seq_len or spec.max_forward_len, taps=taps)
 
     if target == "default":
         return open_target(default_target_dir(), backend=backend, gguf_codes_only=gguf_codes_only,
@@ -241,18 +265,23 @@ def open_target(target: str, *, dtype: torch.dtype | str | None = None, backend:
     if target in TARGETS and not os.path.isdir(target):
         raise Eagle3Error(f"'{target}' is a target family, not a checkpoint: pass the checkpoint "
                           "directory (the family is read from its config.json)")
-    raw = read_config_json(target)
-    family = raw.get("model_type")
+    return _open_checkpoint(target, read_config_json(target).get("model_type"), backend, kw), None
+
+
+def _open_checkpoint(path: str, family: str | None, backend: str, kw: Callable[[str], dict]) -> TapTarget:
+    """A checkpoint directory through its family's registered loader, or the transformers
+    adapter when the family has none (or the native decoder cannot honour its config)."""
     if backend == "hf":
-        return load_hf(target, **kw("hf")), None
-    if backend == "native" or family in NATIVE_FAMILIES:
-        try:
-            return load_native(target, **kw(family if family in TARGETS else "hf")), None
+        return load_hf(path, **kw("hf"))
+    if backend == "native" or family in FAMILIES:
+        native = family in FAMILIES
+        try:  # an unknown family under backend='native': load_native names the supported ones
+            return (TARGETS[family].load if native else load_native)(path, **kw(family if native else "hf"))
         except NotNative as e:
             if backend == "native":
                 raise
             notice(f"{e}; falling back to the transformers adapter")
-            return load_hf(target, **kw("hf")), None
+            return load_hf(path, **kw("hf"))
     notice(f"model_type '{family}' has no native target; using the transformers "
            "adapter (slower)")
-    return load_hf(target, **kw("hf")), None
+    return load_hf(path, **kw("hf"))

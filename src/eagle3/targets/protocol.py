@@ -56,6 +56,25 @@ def validate_taps(taps: Any, num_layers: int) -> tuple[int, ...]:
     return taps
 
 
+class TapLayers:
+    """`tap_layers` for a target class with a `config.num_hidden_layers`: the layers whose
+    inputs it taps, validated when set, and the default (2, L//2, L-3) resolved on first read
+    so that small targets load before taps are chosen. Written once for the native and
+    transformers targets."""
+
+    _taps: tuple[int, ...] = ()
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        if not self._taps:
+            self._taps = default_taps(self.config.num_hidden_layers)
+        return self._taps
+
+    @tap_layers.setter
+    def tap_layers(self, layers: Any) -> None:
+        self._taps = validate_taps(layers, self.config.num_hidden_layers)
+
+
 @runtime_checkable
 class TapTarget(Protocol):
     """A causal LM that returns logits and concatenated taps.
