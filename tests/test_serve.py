@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import eagle3  # noqa: E402
 from eagle3.engine import Engine, EngineConfig  # noqa: E402
-from eagle3.serve.app import Generation, TextStream  # noqa: E402
+from eagle3.serve.app import ServedGeneration, TextStream  # noqa: E402
 from eagle3.serve.metrics import ServerMetrics  # noqa: E402
 from eagle3.serve.protocol import APIError, GenerateParams  # noqa: E402
 from servers import Server, answers, kv_idle, templated_spec, wait_until  # noqa: E402
@@ -351,7 +351,7 @@ class FakeRequest:
 
 
 class FakeEngine:
-    """Just enough engine to drive `Generation` by hand: on_event is called from the test."""
+    """Just enough engine to drive `ServedGeneration` by hand: on_event is called from the test."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -373,9 +373,9 @@ class FakeEngine:
         self.on_event(self.req, new, True)
 
 
-def _collect(engine, stop: list[str], script) -> Generation:
-    async def main() -> Generation:
-        gen = Generation(engine, ServerMetrics(engine), [1, 2, 3], 100, GenerateParams(stop=stop))
+def _collect(engine, stop: list[str], script) -> ServedGeneration:
+    async def main() -> ServedGeneration:
+        gen = ServedGeneration(engine, ServerMetrics(engine), [1, 2, 3], 100, GenerateParams(stop=stop))
         script(gen)
         gen.text_out = "".join([p async for p in gen.deltas()])
         return gen

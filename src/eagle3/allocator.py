@@ -3,11 +3,9 @@
 A loop whose tensors change shape every step (ragged batches) makes glibc hand pages back to the
 kernel and fault them in again all the time: large blocks come from fresh mmaps (unmapped when
 freed) until glibc's threshold rises past them, and the heap's free top is trimmed whenever it
-exceeds twice that threshold. In a train-draft run measured on the 2-core Xeon the time inside
-the allocator grew to 22% of a step and a step slowed from 2.5 s to 4-4.5 s within 300 steps;
-a threshold fixed at 1 MiB made it worse (4.2 s a step from the start, 40% of the CPU in the
-kernel at 477k page faults a second) (docs/training.md). So: every block up to glibc's largest
-threshold comes from the heap, and the heap keeps its pages.
+exceeds twice that threshold, so a long train-draft run slowed step by step, and a small fixed
+threshold made it worse (the profiles: docs/training.md, "Operations"). So: every block up to
+glibc's largest threshold comes from the heap, and the heap keeps its pages.
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     `exact`: compute each query row on its own (`kernels.attention`, where it runs), so a
     row's result does not depend on how many rows share the call; SDPA's does. bf16 queries
     take that kernel too (in fp32, rounded back), exact or not: PyTorch's bf16 SDPA runs a
-    matrix-vector product per decoded row, which on a CPU without AMX is ~15x slower (68 vs
-    4.6 ms for 128 rows over 1,024 bf16 keys, docs/training.md). `stock`: SDPA whatever the
-    rest says (a prompt's forward: many rows, where SDPA's matrix products pay).
+    matrix-vector product per decoded row, far slower on a CPU without AMX (docs/training.md).
+    `stock`: SDPA whatever the rest says (a prompt's forward: many rows, where SDPA's matrix
+    products pay).
     """
     B, nh, T, hd = q.shape
     nkv = keys.shape[1]

@@ -90,7 +90,7 @@ class Tokenizer:
 
     def _chat_renderer(self, where: str) -> tuple[Any, dict, str]:
         """The chat template compiled once per tokenizer, its special tokens and its file
-        (compiling made a prompt cost 5.5 ms instead of 0.8: 31k campaign prompts, minutes)."""
+        (compiled per prompt, it made each prompt several times slower: docs/training.md)."""
         if self._renderer is not None:
             return self._renderer
         template, cfg, source = self._chat_template(where)

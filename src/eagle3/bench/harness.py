@@ -206,66 +206,123 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     backends = dict(backends or {"eager": spec})
     names = list(backends)
     multi = len(names) > 1
-    label = lambda b, arm: f"{b} {arm}" if multi else arm  # noqa: E731
-    arms: dict[str, Arm] = {}
-    plan = []  # (backend, arm name, k, tree, proposer) of the greedy rows
-    sampled = []  # (backend, arm name, k, tree) of the sampled arms
     chosen = [k for k in ks] + (["auto"] if auto else [])
+    arms = _BenchArms(multi, max_new_tokens)
     for b, bspec in backends.items():
-        plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
-        arms[label(b, PLAIN)] = generate_arm(plain_spec, max_new_tokens)
-        plan.append((b, label(b, PLAIN), None, None, None))
-        exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
-        for pr in proposers if not exported else (None,):
-            prefix = "" if pr is None else f"{pr} "
-            named = lambda arm, prefix=prefix: prefix + arm  # noqa: E731
-            if pr == "suffix":
-                arms[label(b, "suffix")] = generate_arm(bspec, max_new_tokens, proposer="suffix")
-                plan.append((b, label(b, "suffix"), None, None, pr))
-                continue
-            if bspec.draft is None:
-                continue
-            for k in chosen:
-                if exported and isinstance(k, int) and k > bspec.max_draft_tokens:
-                    continue
-                arms[label(b, named(f"K={k}"))] = generate_arm(bspec, max_new_tokens, k, proposer=pr)
-                plan.append((b, label(b, named(f"K={k}")), k, None, pr))
-            for t in trees if not exported else ():
-                arms[label(b, named(tree_name(t)))] = generate_arm(bspec, max_new_tokens, tree=t, proposer=pr)
-                plan.append((b, label(b, named(tree_name(t))), None, t, pr))
-        if temperature > 0 and not exported:
-            name = label(b, f"sampled plain T={temperature:g}")
-            sampled.append((b, name, None, None))
-            arms[name] = generate_arm(plain_spec, max_new_tokens, temperature=temperature)
-            if bspec.draft is not None:
-                for k, t in [("auto", None)] + [(None, t) for t in trees]:
-                    name = label(b, f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}")
-                    sampled.append((b, name, k, t))
-                    arms[name] = generate_arm(bspec, max_new_tokens, k, t, temperature)
-    arms.update(peers or {})
+        arms.add_backend(b, bspec, chosen, trees, temperature, proposers)
+    arms.arms.update(peers or {})
     # Calibrated before any timing: the automatic rows need it, and it must not land in a row.
     models = {b: cost_model(bspec) for b, bspec in backends.items() if bspec.draft is not None}
-    samples = interleave(arms, prompts, repeats, progress=progress)
-    plain = samples[label(names[0], PLAIN)]
+    samples = interleave(arms.arms, prompts, repeats, progress=progress)
+    plain = samples[arms.label(names[0], PLAIN)]
+    rows = _greedy_rows(arms, samples, names[0])
+    base = rows[0]["tokens_per_s"]
+    costs = {b: {**m.cost_ratios(), **m.as_dict()} for b, m in models.items()}
+    _add_comparisons(rows, models, names[0], multi)
+    sampled_rows = _sampled_rows(arms, samples, temperature)
+    peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
+    for row in peer_rows.values():
+        row["speedup"] = row["tokens_per_s"] / base
+    report = _headline(rows, names[0])
+    report.update({
+        "rows": rows, "sampled_rows": sampled_rows, "peers": peer_rows,
+        "cost_model": costs.get(names[0]), "cost_models": costs,
+        "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                     "num_draft_tokens": chosen if spec.draft is not None else [],
+                     "backends": names,
+                     "trees": [t.as_dict() for t in trees], "temperature": temperature,
+                     "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads(),
+                     "kernel_isa": isa(), "cpu": cpu_name()},
+    })
+    return report
+
+
+class _BenchArms:
+    """The arms of a run, in the order they take turns, and the rows they become: `greedy`
+    (backend, arm name, k, tree, proposer) and `sampled` (backend, arm name, k, tree)."""
+
+    def __init__(self, multi: bool, max_new_tokens: int) -> None:
+        self.multi, self.max_new_tokens = multi, max_new_tokens
+        self.arms: dict[str, Arm] = {}
+        self.greedy: list[tuple[str, str, Any, Any, str | None]] = []
+        self.sampled: list[tuple[str, str, Any, Any]] = []
+
+    def label(self, backend: str, arm: str) -> str:
+        """An arm's name: prefixed by its backend when there are several."""
+        return f"{backend} {arm}" if self.multi else arm
+
+    def add_backend(self, b: str, bspec: Any, chosen: list[Any], trees: list[Any], temperature: float,
+                    proposers: list[str | None]) -> None:
+        """Backend `b`'s arms: plain, then each proposer's chains and trees, then the sampled ones."""
+        plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
+        self._greedy(b, PLAIN, generate_arm(plain_spec, self.max_new_tokens), None, None, None)
+        exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
+        for pr in proposers if not exported else (None,):
+            self._add_proposer(b, bspec, pr, chosen, trees if not exported else (), exported)
+        if temperature > 0 and not exported:
+            self._add_sampled(b, bspec, plain_spec, trees, temperature)
+
+    def _greedy(self, b: str, arm: str, run: Arm, k: Any, tree: Any, proposer: str | None) -> None:
+        self.arms[self.label(b, arm)] = run
+        self.greedy.append((b, self.label(b, arm), k, tree, proposer))
+
+    def _add_proposer(self, b: str, bspec: Any, pr: str | None, chosen: list[Any], trees: Any,
+                      exported: bool) -> None:
+        """One proposer's rows: 'suffix' one plain-headed row, the others a chain per K and each tree."""
+        n = self.max_new_tokens
+        if pr == "suffix":
+            self._greedy(b, "suffix", generate_arm(bspec, n, proposer="suffix"), None, None, pr)
+            return
+        if bspec.draft is None:
+            return
+        prefix = "" if pr is None else f"{pr} "
+        for k in chosen:
+            if exported and isinstance(k, int) and k > bspec.max_draft_tokens:
+                continue
+            self._greedy(b, f"{prefix}K={k}", generate_arm(bspec, n, k, proposer=pr), k, None, pr)
+        for t in trees:
+            self._greedy(b, prefix + tree_name(t), generate_arm(bspec, n, tree=t, proposer=pr), None, t, pr)
+
+    def _add_sampled(self, b: str, bspec: Any, plain_spec: Any, trees: list[Any], temperature: float) -> None:
+        """Sampled plain decoding, then (with a head) chain K=auto and each tree, at `temperature`."""
+        name = self.label(b, f"sampled plain T={temperature:g}")
+        self.sampled.append((b, name, None, None))
+        self.arms[name] = generate_arm(plain_spec, self.max_new_tokens, temperature=temperature)
+        if bspec.draft is None:
+            return
+        for k, t in [("auto", None)] + [(None, t) for t in trees]:
+            name = self.label(b, f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}")
+            self.sampled.append((b, name, k, t))
+            self.arms[name] = generate_arm(bspec, self.max_new_tokens, k, t, temperature)
+
+
+def _greedy_rows(arms: _BenchArms, samples: dict[str, list[list[Sample]]], first: str) -> list[dict]:
+    """A row per greedy arm, each compared with its own backend's plain decoding."""
+    plain = samples[arms.label(first, PLAIN)]
     rows = []
-    for b, name, k, t, pr in plan:
+    for b, name, k, t, pr in arms.greedy:
         row = {"arm": "plain" if name.endswith(PLAIN) and k is None and t is None else "eagle3", "k": k}
         if pr is not None:
             row["proposer"] = pr
         if t is not None:
             row["tree"] = t.as_dict()
-        if multi:
+        if arms.multi:
             row["backend"] = b
         # Lossless means equal to the same backend's plain decoding: a quantized program is
         # another model. Whether a backend's plain decoding equals the first's is reported apart.
-        own_plain = samples[label(b, PLAIN)]
+        own_plain = samples[arms.label(b, PLAIN)]
         rows.append({**row, **summarize(samples[name], own_plain)})
-        if multi and row["arm"] == "plain" and b != names[0]:
+        if arms.multi and row["arm"] == "plain" and b != first:
             rows[-1]["matches_first_backend_plain"] = summarize(samples[name], plain)["outputs_identical"]
         if k == "auto":
             rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
+    return rows
+
+
+def _add_comparisons(rows: list[dict], models: dict[str, Any], first: str, multi: bool) -> None:
+    """Each row's speedup against the first backend's plain decoding (and its own's), its verify
+    and draft costs in plain steps of this run, and the cost model's predicted speedup."""
     base = rows[0]["tokens_per_s"]
-    costs = {b: {**m.cost_ratios(), **m.as_dict()} for b, m in models.items()}
     backend_plain = {r.get("backend"): r["tokens_per_s"] for r in rows if r["arm"] == "plain"}
     # A plain step: the target forward of the backend's plain decoding, in this run.
     plain_step = {r.get("backend"): r["verify_ms_per_round"] for r in rows if r["arm"] == "plain"}
@@ -277,27 +334,34 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
                                               if step and row["draft_tokens"] else None)
         if multi:
             row["speedup_vs_backend_plain"] = row["tokens_per_s"] / backend_plain[row["backend"]]
-        model = models.get(row.get("backend", names[0]))
+        model = models.get(row.get("backend", first))
         row["predicted_speedup"] = (model.predicted_speedup(row["mean_accept_len"], Plan(row["k"]))
                                     if isinstance(row["k"], int) and model else None)
+
+
+def _sampled_rows(arms: _BenchArms, samples: dict[str, list[list[Sample]]], temperature: float) -> list[dict]:
+    """A row per sampled arm; speedups against the latest sampled plain decoding (its backend's)."""
     sampled_rows = []
-    for b, name, k, t in sampled:
-        first = name == label(b, f"sampled plain T={temperature:g}")
+    for b, name, k, t in arms.sampled:
+        first = name == arms.label(b, f"sampled plain T={temperature:g}")
         sampled_rows.append({"arm": "plain" if first else "eagle3", "k": k,
                              "tree": t.as_dict() if t is not None else None,
-                             "temperature": temperature, **({"backend": b} if multi else {}),
+                             "temperature": temperature, **({"backend": b} if arms.multi else {}),
                              **summarize(samples[name], None)})
         sampled_base = [r for r in sampled_rows if r["arm"] == "plain"][-1]["tokens_per_s"]
         sampled_rows[-1]["speedup"] = sampled_rows[-1]["tokens_per_s"] / sampled_base
         if k == "auto":
             sampled_rows[-1]["chosen_k"] = samples[name][-1][-1].stats["num_draft_tokens"]
-    peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
-    for row in peer_rows.values():
-        row["speedup"] = row["tokens_per_s"] / base
-    eagle = [r for r in rows if isinstance(r["k"], int)]  # the fixed K's; auto is a row of its own
+    return sampled_rows
+
+
+def _headline(rows: list[dict], first: str) -> dict[str, Any]:
+    """The report's contract keys: the fastest fixed-K row (auto is a row of its own) against
+    the first backend's plain decoding; `outputs_identical` over every row."""
+    eagle = [r for r in rows if isinstance(r["k"], int)]
     best = max(eagle, key=lambda r: r["tokens_per_s"]) if eagle else None
     return {
-        "baseline_tokens_per_s": base,
+        "baseline_tokens_per_s": rows[0]["tokens_per_s"],
         "eagle_tokens_per_s": best["tokens_per_s"] if best else None,
         "speedup": best["speedup"] if best else None,
         "mean_accept_len": best["mean_accept_len"] if best else None,
@@ -305,13 +369,5 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
         "accepted_per_position": best["accepted_per_position"] if best else None,
         "outputs_identical": all(r["outputs_identical"] for r in rows),
         "best_k": best["k"] if best else None,
-        "best_backend": best.get("backend", names[0]) if best else None,
-        "rows": rows, "sampled_rows": sampled_rows, "peers": peer_rows,
-        "cost_model": costs.get(names[0]), "cost_models": costs,
-        "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "repeats": repeats,
-                     "num_draft_tokens": chosen if spec.draft is not None else [],
-                     "backends": names,
-                     "trees": [t.as_dict() for t in trees], "temperature": temperature,
-                     "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads(),
-                     "kernel_isa": isa(), "cpu": cpu_name()},
+        "best_backend": best.get("backend", first) if best else None,
     }

@@ -147,9 +147,8 @@ class PagedKV:
 
     def _gather(self, which: int, pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """`pool`'s rows at `idx`, into a buffer every layer and step reuses (a layer's keys are
-        read before the next layer gathers). A fresh tensor each time (50 MB for 128 rows of
-        1,024 slots) comes from mmap and faults its pages in: 54% of a bf16 regeneration step
-        went there (py-spy, docs/training.md)."""
+        read before the next layer gathers). A fresh tensor each time comes from mmap and faults
+        its pages in, which dominated a bf16 regeneration step (docs/training.md)."""
         buf = self._gathered[which]
         n = idx.shape[0]
         if buf is None or buf.shape[0] < n or buf.dtype != pool.dtype or buf.device != pool.device:
@@ -172,8 +171,8 @@ class PagedKV:
 
 def gather_rows(pool: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`pool.index_select(0, idx)` (into `out` when given). A 16-bit pool goes through an int16
-    view of the same bytes: PyTorch copies those rows ~4x faster than bf16 ones on CPU (2.1 vs
-    9.5 ms for 64k rows of 3x64, docs/training.md)."""
+    view of the same bytes: PyTorch copies those rows faster than bf16 ones on CPU
+    (docs/training.md)."""
     if pool.dtype in (torch.bfloat16, torch.float16) and pool.device.type == "cpu":
         if out is None:
             return pool.view(torch.int16).index_select(0, idx).view(pool.dtype)

@@ -7,7 +7,7 @@ as server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).
 key and counts requests in flight before any handler runs.
 
 Each request is one `engine.submit(...)`; the engine thread hands its tokens to the
-event loop with `loop.call_soon_threadsafe`, and `Generation` turns them into text
+event loop with `loop.call_soon_threadsafe`, and `ServedGeneration` turns them into text
 (incremental detokenisation that never splits a UTF-8 character, stop strings cut
 out of the text and held back while they might still be starting). A client that
 goes away, or a handler that is cancelled, aborts its engine request, which frees
@@ -103,7 +103,7 @@ class TextStream:
         return piece
 
 
-class Generation:
+class ServedGeneration:
     """One engine request seen from the event loop: text pieces, then the outcome."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, prompt_ids: list[int], max_tokens: int,
@@ -207,7 +207,7 @@ class GenerationStream(StreamingResponse):
     connection closed, its request aborted and its KV freed) instead of holding pages.
     """
 
-    def __init__(self, gen: Generation, content: AsyncIterator[str], stall_s: float) -> None:
+    def __init__(self, gen: ServedGeneration, content: AsyncIterator[str], stall_s: float) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.gen, self.stall_s = gen, stall_s
@@ -330,11 +330,21 @@ async def _read_body(request: Request, limit: int, stall_s: float) -> bytes:
     return b"".join(chunks)
 
 
-async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
+async def _abort_on_disconnect(request: Request, gen: ServedGeneration) -> None:
     """For non-streamed answers: abort the generation when the client hangs up."""
     while not await request.is_disconnected():
         await asyncio.sleep(0.2)
     gen.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What the generation routes share: the engine, its metrics, the served name, the limits."""
+
+    engine: Engine
+    metrics: ServerMetrics
+    model_name: str
+    limits: ServerLimits
 
 
 def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = None,
@@ -344,6 +354,20 @@ def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = 
     `limits` (default `ServerLimits()`: no key, context-sized prompts) says what it accepts;
     `max_body_bytes` overrides its body limit.
     """
+    limits = _checked_limits(limits, max_body_bytes)
+    app = FastAPI(title="eagle3", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(engine)
+    max_concurrent = limits.max_concurrent or engine.config.max_batch + engine.config.max_queue
+    app.add_middleware(Gate, limits=limits, max_concurrent=max_concurrent, metrics=metrics)
+    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, metrics, model_name)
+    _add_generation_routes(app, _Served(engine, metrics, model_name, limits))
+    return app
+
+
+def _checked_limits(limits: ServerLimits | None, max_body_bytes: int | None) -> ServerLimits:
+    """`limits` (default `ServerLimits()`) with `max_body_bytes` applied, checked: a one-line error."""
     limits = limits or ServerLimits()
     if max_body_bytes is not None:
         limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
@@ -351,12 +375,11 @@ def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = 
         limits.check()
     except ValueError as e:
         raise Eagle3Error(str(e)) from None
-    max_body_bytes = limits.max_body_bytes
-    app = FastAPI(title="eagle3", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(engine)
-    max_concurrent = limits.max_concurrent or engine.config.max_batch + engine.config.max_queue
-    app.add_middleware(Gate, limits=limits, max_concurrent=max_concurrent, metrics=metrics)
-    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+    return limits
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style JSON body: ours, Starlette's (404, 405) and unexpected ones."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -370,6 +393,10 @@ def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = 
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         err = APIError(500, f"internal server error ({type(exc).__name__}); see the server log")
         return JSONResponse(err.body(), status_code=500)
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, metrics: ServerMetrics, model_name: str) -> None:
+    """GET /health, /v1/models, /v1/models/{id} and /metrics."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -396,96 +423,125 @@ def build_app(engine: Engine, model_name: str, *, limits: ServerLimits | None = 
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+
+def _add_generation_routes(app: FastAPI, served: _Served) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+    limits = served.limits
+
     def body(request: Request):
-        return _read_body(request, max_body_bytes, limits.stream_stall_s)
+        return _read_body(request, limits.max_body_bytes, limits.stream_stall_s)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        p = parse_completion(parse_json(await body(request)), model_name, limits)
-        ids = p.prompt_ids
-        if p.prompt_text is not None:
-            tok = engine.tokenizer
-            if tok is None:
-                raise APIError(400, "this model ships no tokenizer, so a text prompt cannot be encoded; "
-                               "send 'prompt' as a list of token ids", param="prompt")
-            ids = tok.encode(p.prompt_text)
-            if not ids:
-                raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
-        check_prompt_length(len(ids), limits, "prompt")
-        return await _answer(request, False, ids, p.max_tokens, p)
+        p = parse_completion(parse_json(await body(request)), served.model_name, limits)
+        ids = _completion_prompt_ids(served.engine, p, limits)
+        return await _answer(served, request, False, ids, p.max_tokens, p)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        p = parse_chat(parse_json(await body(request)), model_name, limits)
+        p = parse_chat(parse_json(await body(request)), served.model_name, limits)
+        ids = _chat_prompt_ids(served.engine, p, limits)
+        max_tokens = p.max_tokens
+        if max_tokens is None:
+            max_tokens = _rest_of_context(served.engine, limits, len(ids))
+        return await _answer(served, request, True, ids, max_tokens, p)
+
+
+def _completion_prompt_ids(engine: Engine, p: GenerateParams, limits: ServerLimits) -> list[int]:
+    """A completion's prompt as ids (a text prompt encoded), its length checked."""
+    ids = p.prompt_ids
+    if p.prompt_text is not None:
         tok = engine.tokenizer
         if tok is None:
-            raise APIError(400, "this model ships no tokenizer, so chat messages cannot be encoded; use "
-                           "/v1/completions with token ids", param="messages")
-        try:
-            ids = tok.apply_chat_template(p.messages)
-        except Eagle3Error as e:
-            raise APIError(400, str(e), param="messages") from None
-        check_prompt_length(len(ids), limits, "messages")
-        max_tokens = p.max_tokens
-        if max_tokens is None:  # default: the rest of the context (within the server's limit)
-            max_tokens = min(engine.max_model_len - len(ids), limits.max_tokens or engine.max_model_len)
-            if max_tokens < 1:
-                raise APIError(400, f"the messages ({len(ids)} tokens) fill the model's context of "
-                               f"{engine.max_model_len} tokens; shorten them", param="messages")
-        return await _answer(request, True, ids, max_tokens, p)
+            raise APIError(400, "this model ships no tokenizer, so a text prompt cannot be encoded; "
+                           "send 'prompt' as a list of token ids", param="prompt")
+        ids = tok.encode(p.prompt_text)
+        if not ids:
+            raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
+    check_prompt_length(len(ids), limits, "prompt")
+    return ids
 
-    async def _answer(request: Request, chat: bool, ids: list[int], max_tokens: int,
-                      p: GenerateParams) -> Response:
-        gen = Generation(engine, metrics, ids, max_tokens, p)
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": model_name}
-        if p.stream:
-            return GenerationStream(gen, _stream(gen, head, chat, p.include_usage), limits.stream_stall_s)
-        watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
-        try:
-            text = "".join([piece async for piece in gen.deltas()])
-        finally:
-            watcher.cancel()
-            gen.close()
-        if gen.error is not None:
-            raise gen.error
-        choice: dict[str, Any] = {"index": 0}
+
+def _chat_prompt_ids(engine: Engine, p: GenerateParams, limits: ServerLimits) -> list[int]:
+    """A chat's messages through the model's chat template, their length checked."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this model ships no tokenizer, so chat messages cannot be encoded; use "
+                       "/v1/completions with token ids", param="messages")
+    try:
+        ids = tok.apply_chat_template(p.messages)
+    except Eagle3Error as e:
+        raise APIError(400, str(e), param="messages") from None
+    check_prompt_length(len(ids), limits, "messages")
+    return ids
+
+
+def _rest_of_context(engine: Engine, limits: ServerLimits, prompt_tokens: int) -> int:
+    """A chat's default max_tokens: the rest of the context (within the server's limit)."""
+    max_tokens = min(engine.max_model_len - prompt_tokens, limits.max_tokens or engine.max_model_len)
+    if max_tokens < 1:
+        raise APIError(400, f"the messages ({prompt_tokens} tokens) fill the model's context of "
+                       f"{engine.max_model_len} tokens; shorten them", param="messages")
+    return max_tokens
+
+
+async def _answer(served: _Served, request: Request, chat: bool, ids: list[int], max_tokens: int,
+                  p: GenerateParams) -> Response:
+    """Submit one generation; answer with a stream of chunks or, once it ends, one JSON body."""
+    gen = ServedGeneration(served.engine, served.metrics, ids, max_tokens, p)
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+            "model": served.model_name}
+    if p.stream:
+        return GenerationStream(gen, _stream(gen, head, chat, p.include_usage), served.limits.stream_stall_s)
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
+    try:
+        text = "".join([piece async for piece in gen.deltas()])
+    finally:
+        watcher.cancel()
+        gen.close()
+    if gen.error is not None:
+        raise gen.error
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=None, finish_reason=gen.finish_reason)
+    return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                         "choices": [choice], "usage": gen.usage(),
+                         "eagle3": {**gen.stats(), "token_ids": gen.token_ids}})
+
+
+async def _stream(gen: ServedGeneration, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed answer: (chat: a role chunk,) text chunks, the final
+    chunk (or the error), the usage chunk when asked for, and [DONE]."""
+    obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: str | None, finish_reason: str | None = None, **more: Any) -> str:
+        return _sse({**obj, "choices": [_stream_choice(chat, text, finish_reason)], **extra, **more})
+
+    try:
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            yield chunk("")
+        async for piece in gen.deltas():
+            yield chunk(piece)
+        if gen.error is not None:
+            yield _sse(gen.error.body())
         else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=gen.finish_reason)
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": gen.usage(),
-                             "eagle3": {**gen.stats(), "token_ids": gen.token_ids}})
+            yield chunk(None, gen.finish_reason, eagle3=gen.stats())
+            if include_usage:
+                yield _sse({**obj, "choices": [], "usage": gen.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.close()
 
-    async def _stream(gen: Generation, head: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish_reason: str | None = None, **more: Any) -> str:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                if text == "" and finish_reason is None:  # the first chunk names the role
-                    delta = {"role": "assistant", "content": ""}
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            return _sse({**obj, "choices": [c], **extra, **more})
-
-        try:
-            if chat:
-                yield chunk("")
-            async for piece in gen.deltas():
-                yield chunk(piece)
-            if gen.error is not None:
-                yield _sse(gen.error.body())
-            else:
-                yield chunk(None, gen.finish_reason, eagle3=gen.stats())
-                if include_usage:
-                    yield _sse({**obj, "choices": [], "usage": gen.usage()})
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
-
-    return app
+def _stream_choice(chat: bool, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    """One streamed chunk's choice: a chat delta (the first, text "", names the role) or a text piece."""
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    delta = {} if text is None else {"content": text}
+    if text == "" and finish_reason is None:
+        delta = {"role": "assistant", "content": ""}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -23,6 +23,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -370,11 +371,25 @@ def prepare(args: TrainArgs, target, rank: int) -> tuple[list[Sample], torch.Ten
 
 def train_draft(args: TrainArgs) -> dict:
     """Run the whole pipeline; returns the final report (also written to OUT/report.json)."""
-    from tqdm import tqdm
-
     rank, world = _dist()
     steady_allocator()  # ragged batches for hours: keep the last step as fast as the first
     out = Path(args.out)
+    check_train_args(args, world)
+    check_writable(out)  # before loading anything, after the checks that create nothing
+    check_writable(out / "data")
+    run = _setup_run(args, _load_checked_target(args, out), rank, world, out)
+    step, log = _resume(run)
+    _train_loop(run, step, log)
+    report = {}
+    if rank == 0:
+        report = finish(run.head, args, log, run.ids, run.samples, out, run.held)
+    if world > 1:
+        torch.distributed.barrier()
+    return report
+
+
+def check_train_args(args: TrainArgs, world: int) -> None:
+    """The settings' one-line errors, before anything is loaded or created."""
     if args.features not in ("online", "offline"):
         raise Eagle3Error("--features must be 'online' or 'offline'")
     if not 0.0 <= args.hard_loss <= 1.0:
@@ -394,29 +409,46 @@ def train_draft(args: TrainArgs) -> dict:
             raise Eagle3Error(f"--{name.replace('_', '-')} must be >= 0")
     if args.batch % world:
         raise Eagle3Error(f"--batch {args.batch} must be divisible by the {world} processes")
-    check_writable(out)  # before loading anything, after the checks that create nothing
-    check_writable(out / "data")
+
+
+def _load_checked_target(args: TrainArgs, out: Path):
+    """The frozen target with `--taps` applied, once --draft-vocab fits its vocabulary and OUT
+    has room for the head (both before the possibly long regeneration)."""
     target = load_target(args.target, dtype=args.dtype, max_seq_len=args.max_seq_len)
     V = target.config.vocab_size
-    if not 1 <= args.draft_vocab <= V:  # before the (possibly long) regeneration
+    if not 1 <= args.draft_vocab <= V:
         raise Eagle3Error(f"--draft-vocab {args.draft_vocab} must be in 1..{V} (the target's "
                           "vocabulary size)")
     check_writable(out, need_bytes=output_bytes(target.config, args.draft_vocab))
     if args.taps:
         target.tap_layers = args.taps
-    taps = tuple(target.tap_layers)
-    init = (read_init(args.init_from, target.config, args.draft_vocab, taps, args.norm_before_fc)
-            if args.init_from else None)
-    samples, ids, d2t, t2d, key = prepare(args, target, rank)
-    head = new_head(target, ids, d2t, t2d, taps, args.seed, args.norm_before_fc)
-    if args.lm_head_from_target:
-        readout_from_target(head, target, ids)
-    if init is not None:
-        ids = start_from(head, init)
-        key = hashlib.sha256((key + json.dumps(ids.tolist())).encode()).hexdigest()
-    if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
-        head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
-    attach_head(head, target)
+    return target
+
+
+@dataclass
+class _Run:
+    """One process's training run: what its steps read and update."""
+
+    args: TrainArgs
+    rank: int
+    world: int
+    out: Path
+    target: Any
+    head: Eagle3Draft
+    params: list[torch.nn.Parameter]  # the trained ones (the embedding stays frozen)
+    opt: torch.optim.Optimizer
+    samples: list[Sample]
+    ids: torch.Tensor  # the draft vocabulary (target ids)
+    held: list[int]  # held-out samples, never trained on
+    train_idx: list[int]
+    batches_per_epoch: int
+    total: int  # the schedule's steps
+    store: FeatureStore | None  # the offline feature store, or None: features online
+
+
+def _setup_run(args: TrainArgs, target, rank: int, world: int, out: Path) -> _Run:
+    """Data, draft vocabulary, head, optimizer, the epochs' split and the feature store."""
+    head, samples, ids, key = _build_head(args, target, rank)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     for p in head.embed_tokens.parameters():
         p.requires_grad_(False)
@@ -434,84 +466,134 @@ def train_draft(args: TrainArgs) -> dict:
         if world > 1:
             torch.distributed.barrier()
         store = store or make()
+    return _Run(args, rank, world, out, target, head, params, opt, samples, ids, held, train_idx,
+                batches_per_epoch, total, store)
 
-    step, log = 0, []
-    ckpt = out / "checkpoint.pt"
-    if args.resume and ckpt.is_file():
+
+def _build_head(args: TrainArgs, target, rank: int) -> tuple[Eagle3Draft, list[Sample], torch.Tensor, str]:
+    """The new head attached to `target`, the regenerated samples, the draft vocabulary and the
+    feature store's key. `--init-from` is read before the regeneration, so a wrong head fails early."""
+    taps = tuple(target.tap_layers)
+    init = (read_init(args.init_from, target.config, args.draft_vocab, taps, args.norm_before_fc)
+            if args.init_from else None)
+    samples, ids, d2t, t2d, key = prepare(args, target, rank)
+    head = new_head(target, ids, d2t, t2d, taps, args.seed, args.norm_before_fc)
+    if args.lm_head_from_target:
+        readout_from_target(head, target, ids)
+    if init is not None:
+        ids = start_from(head, init)
+        key = hashlib.sha256((key + json.dumps(ids.tolist())).encode()).hexdigest()
+    if target.embedding_weight.dtype != torch.float32:  # a bf16 target: the head trains in fp32
+        head.embed_tokens = torch.nn.Embedding.from_pretrained(target.embedding_weight.float(), freeze=True)
+    attach_head(head, target)
+    return head, samples, ids, key
+
+
+def _resume(run: _Run) -> tuple[int, list[dict]]:
+    """(step, log) to start from: OUT/checkpoint.pt's under --resume (its head and optimizer
+    state loaded), else (0, [])."""
+    ckpt = run.out / "checkpoint.pt"
+    if run.args.resume and ckpt.is_file():
         state = load_checkpoint(ckpt)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, log = state["step"], state["log"]
-        if rank == 0:
-            notice(f"resuming from {ckpt} at step {step}")
-    elif args.resume:
-        notice(f"--resume: no checkpoint in {out}; starting fresh")
+        run.head.load_state_dict(state["head"])
+        run.opt.load_state_dict(state["opt"])
+        if run.rank == 0:
+            notice(f"resuming from {ckpt} at step {state['step']}")
+        return state["step"], state["log"]
+    if run.args.resume:
+        notice(f"--resume: no checkpoint in {run.out}; starting fresh")
+    return 0, []
 
-    lengths = [samples[i].tokens.numel() for i in train_idx]
+
+def _train_loop(run: _Run, step: int, log: list[dict]) -> None:
+    """Optimizer steps from `step` to the end (or --stop-after): `log` grows by one entry a step,
+    held-out evaluations every --eval-every steps, a checkpoint every --ckpt-every steps and at the end."""
+    from tqdm import tqdm
+
+    args = run.args
+    lengths = [run.samples[i].tokens.numel() for i in run.train_idx]
     batches: dict[int, list[list[int]]] = {}
-    bar = tqdm(total=total, initial=step, desc="train-draft", disable=not (args.progress and rank == 0))
+    bar = tqdm(total=run.total, initial=step, desc="train-draft",
+               disable=not (args.progress and run.rank == 0))
     t0, tokens_done = time.time(), 0
     tau = last_sim_tau(log)  # the latest simulated tau (a resumed log's too), for the progress bar
-    stop = min(total, args.stop_after) if args.stop_after is not None else total
+    stop = min(run.total, args.stop_after) if args.stop_after is not None else run.total
     features_of = None  # (epoch, batch) whose features are at hand
     while step < stop:
         # With --echo E, steps E*n .. E*n+E-1 of an epoch all train on its batch n: the target's
         # features are a function of the batch alone, so a resumed run recomputes the same ones.
-        epoch, within = divmod(step // args.echo, batches_per_epoch)
+        epoch, within = divmod(step // args.echo, run.batches_per_epoch)
         if epoch not in batches:
-            batches = {epoch: epoch_batches(lengths, args.batch, batches_per_epoch, args.seed * 1000 + epoch)}
+            batches = {epoch: epoch_batches(lengths, args.batch, run.batches_per_epoch,
+                                            args.seed * 1000 + epoch)}
         if features_of != (epoch, within):
-            batch_idx = [train_idx[j] for j in batches[epoch][within][rank::world]]
-            tokens, mask = collate([samples[i] for i in batch_idx])
-            if store is None:
-                tlogits, ttaps = target_forward(target, tokens, ids)  # logits over the draft vocab
-            else:
-                ttaps, tlogits = store.get(batch_idx, tokens.shape[1])  # logits over the draft vocab
+            tokens, mask, ttaps, tlogits = _batch_features(run, batches[epoch][within])
             features_of = (epoch, within)
-        # One normaliser for the global batch, so data-parallel ranks add up exactly.
-        norm = mask[:, 2:].sum().float()
-        if world > 1:
-            torch.distributed.all_reduce(norm)
-        norm = float(norm.clamp_min(1)) / world
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args)
-        head.lm_head.weight.requires_grad_(step >= args.freeze_lm_head)  # frozen: no grad, no update
-        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.autocast):
-            loss, correct, counted = ttt_loss(head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
-                                              norm=norm, hard=args.hard_loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if world > 1:  # data parallel: average the gradients (each rank's loss is its share)
-            for p in params:
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world
-            stats = torch.cat([loss.detach().view(1), correct, counted])
-            torch.distributed.all_reduce(stats)
-            loss, correct, counted = stats[0] / world, stats[1:1 + len(correct)], stats[1 + len(correct):]
-        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        opt.step()
+        loss, correct, counted = _train_step(run, step, tokens, mask, ttaps, tlogits)
         step += 1
         tokens_done += int(mask.sum())
         acc = (correct / counted.clamp_min(1)).tolist()
         log.append({"step": step, "loss": float(loss.detach()),
-                    "acc": [round(a, 4) for a in acc], "lr": lr_at(step - 1, total, args)})
-        if rank == 0 and held and (step % args.eval_every == 0 or step == total):
-            tau = log[-1]["sim_tau"] = held_out_tau(head, target, samples, held, store, args.batch)
+                    "acc": [round(a, 4) for a in acc], "lr": lr_at(step - 1, run.total, args)})
+        if run.rank == 0 and run.held and (step % args.eval_every == 0 or step == run.total):
+            tau = log[-1]["sim_tau"] = held_out_tau(run.head, run.target, run.samples, run.held, run.store,
+                                                    args.batch)
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", acc0=f"{acc[0]:.2f}", accN=f"{acc[-1]:.2f}",
                         **({"tau3": f"{tau[2]:.2f}"} if tau else {}),
                         tok_s=f"{tokens_done / (time.time() - t0):.0f}")
         bar.update(1)
-        if rank == 0 and (step % args.ckpt_every == 0 or step == stop):
-            with atomic_write(ckpt) as f:  # the previous checkpoint stays until this one is whole
-                torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
-                            "args": asdict(args)}, f)
+        if run.rank == 0 and (step % args.ckpt_every == 0 or step == stop):
+            _save_checkpoint(run, step, log)
     bar.close()
-    report = {}
-    if rank == 0:
-        report = finish(head, args, log, ids, samples, out, held)
+
+
+def _batch_features(run: _Run, batch: list[int]) -> tuple[torch.Tensor, ...]:
+    """(tokens, mask, taps, logits over the draft vocabulary) of this rank's share of `batch`
+    (indices into the training samples): the target's forward, or the offline store's copy."""
+    batch_idx = [run.train_idx[j] for j in batch[run.rank::run.world]]
+    tokens, mask = collate([run.samples[i] for i in batch_idx])
+    if run.store is None:
+        tlogits, ttaps = target_forward(run.target, tokens, run.ids)
+    else:
+        ttaps, tlogits = run.store.get(batch_idx, tokens.shape[1])
+    return tokens, mask, ttaps, tlogits
+
+
+def _train_step(run: _Run, step: int, tokens: torch.Tensor, mask: torch.Tensor, ttaps: torch.Tensor,
+                tlogits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step at `step`'s learning rate; (loss, correct, counted) over the global batch."""
+    args, world = run.args, run.world
+    # One normaliser for the global batch, so data-parallel ranks add up exactly.
+    norm = mask[:, 2:].sum().float()
     if world > 1:
-        torch.distributed.barrier()
-    return report
+        torch.distributed.all_reduce(norm)
+    norm = float(norm.clamp_min(1)) / world
+    for g in run.opt.param_groups:
+        g["lr"] = lr_at(step, run.total, args)
+    run.head.lm_head.weight.requires_grad_(step >= args.freeze_lm_head)  # frozen: no grad, no update
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=args.autocast):
+        loss, correct, counted = ttt_loss(run.head, tokens, mask, ttaps, tlogits, steps=args.ttt_steps,
+                                          norm=norm, hard=args.hard_loss)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if world > 1:  # data parallel: average the gradients (each rank's loss is its share)
+        for p in run.params:
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
+        stats = torch.cat([loss.detach().view(1), correct, counted])
+        torch.distributed.all_reduce(stats)
+        loss, correct, counted = stats[0] / world, stats[1:1 + len(correct)], stats[1 + len(correct):]
+    torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
+    run.opt.step()
+    return loss, correct, counted
+
+
+def _save_checkpoint(run: _Run, step: int, log: list[dict]) -> None:
+    """OUT/checkpoint.pt: head, optimizer, step, log and settings (what --resume reads)."""
+    # Written atomically: the previous checkpoint stays until this one is whole.
+    with atomic_write(run.out / "checkpoint.pt") as f:
+        torch.save({"head": run.head.state_dict(), "opt": run.opt.state_dict(), "step": step, "log": log,
+                    "args": asdict(run.args)}, f)
 
 
 def read_init(path: str, tc, draft_vocab: int, taps, norm_before_fc: bool = False) -> Eagle3Draft:

@@ -153,7 +153,8 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
     if target_logits.shape[-1] != head.config.draft_vocab_size:
         target_logits = target_logits[..., ids]
     target_p = torch.softmax(target_logits.float(), dim=-1)  # (B, T, dv)
-    target_top = target_p.max(-1).indices  # (B, T); max(-1): 3x faster than argmax, same index
+    # max(-1) rather than argmax: faster on these rows, the same first index (docs/training.md)
+    target_top = target_p.max(-1).indices  # (B, T)
     if hard:  # each token's draft id, -1 outside the draft vocabulary
         to_draft = torch.full((head.t2d.numel(),), -1, dtype=torch.long, device=tokens.device)
         to_draft[ids] = torch.arange(ids.numel(), device=tokens.device)
@@ -183,7 +184,7 @@ def ttt_loss(head: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor, taps: 
             all_logits.append(full.detach())
         # In chunks of rows, so that no (rows, dv) float32 temporary outgrows glibc's mmap
         # threshold (32 MB at most): a larger one is a fresh mapping each time, its pages
-        # faulting in on first touch, which made the loss ~2.5x slower than on reused memory.
+        # faulting in on first touch, which slowed the loss (docs/training.md).
         for c in torch.split(torch.arange(bi.numel(), device=tokens.device), CHUNK_ROWS):
             cb, ct = bi[c], ti[c]
             logits = full[cb, ct] if return_logits else head.lm_head(head.norm(h[cb, hi[c]]))  # (c, dv)
