@@ -62,9 +62,9 @@ def head_alone_by_default(request, monkeypatch):
     alone. tests/test_suffix.py, which tests 'suffix', 'hybrid' and the real default, opts out
     (`USES_DEFAULT_PROPOSER = True`); CLI subprocesses run the real default."""
     if not getattr(request.module, "USES_DEFAULT_PROPOSER", False):
-        from eagle3.decoding import suffix
+        from eagle3.decoding import request as requests
 
-        monkeypatch.setattr(suffix, "DEFAULT_PROPOSER", "eagle")
+        monkeypatch.setattr(requests, "DEFAULT_PROPOSER", "eagle")
 
 
 def make_hf_model(name: str, seed: int = 0, scale: float = 4.0, **overrides):

@@ -107,10 +107,10 @@ def test_observed_rounds_are_priced_with_the_text_nodes_they_verified():
     planner = Planner(4)
     planner.costs = RoundCosts({1: [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]}, {1: [0.1] * 8}, {1: 1.0})
     # K=2 with 3 text nodes: verify over 6 tokens (3.5 ms) + catch-up (0.1) + one step (0.1)
-    planner.observe(1, Plan(2), 3.7, text=True, nodes=5)
+    planner.observe(1, Plan(2), 3.7, text_drafts=True, nodes=5)
     assert planner.observed.ratio[1, Plan(2), True] == pytest.approx(1.0)
     # plain decoding with 2 text nodes: a verify over 3 tokens (2.0 ms) instead of a step
-    planner.observe(1, Plan(), 2.0, text=True, nodes=2)
+    planner.observe(1, Plan(), 2.0, text_drafts=True, nodes=2)
     assert planner.observed.ratio[1, Plan(), True] == pytest.approx(1.0)
     planner.observe(1, Plan(1), 3.2, nodes=1)  # no text: 1.5 + 0.1, took twice that
     assert planner.observed.ratio[1, Plan(1), False] == pytest.approx(2.0)

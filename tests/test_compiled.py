@@ -134,7 +134,7 @@ def test_compiled_auto_k_rising_and_falling_mid_generation(dirs, monkeypatch):
     spec = Eagle3Speculator(t, head).compile()
     spec.costs = RoundCosts({1: [1.0] * 9}, {1: [0.1] * 9}, {1: 1.0})
     choices = itertools.cycle([2, 5, 1, 4, 3])
-    monkeypatch.setattr(spec.planner, "choose", lambda B, text=False: Plan(next(choices)))
+    monkeypatch.setattr(spec.planner, "choose", lambda B, text_drafts=False: Plan(next(choices)))
     seen = set()
     for p in ps:
         n = MAX_LEN - len(p)  # to the cache's end
@@ -209,7 +209,7 @@ def test_first_auto_generation_compiles_every_k(dirs, monkeypatch):
     assert spec.generate(p, 8, stop_token_ids=[]).token_ids == plain(t, p, 8)
     counters.clear()
     choices = itertools.cycle([8, 1, 5, 2, 7, 3, 6, 4])
-    monkeypatch.setattr(spec.planner, "choose", lambda B, text=False: Plan(next(choices)))
+    monkeypatch.setattr(spec.planner, "choose", lambda B, text_drafts=False: Plan(next(choices)))
     for n in (30, MAX_LEN - len(p)):
         assert spec.generate(p, n, stop_token_ids=[]).token_ids == plain(t, p, n)
     assert counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])

@@ -413,14 +413,16 @@ def test_plain_rounds_catch_up_alone(ctx, monkeypatch):
     sampled = engine.submit(ps[0], 40, temperature=0.8, seed=3, stop_token_ids=[])
     greedy = engine.submit(ps[1], 40, stop_token_ids=[])
     engine._admit()
-    engine.config.num_draft_tokens = 0  # plain rounds: the greedy row's backlog grows
+    from eagle3.decoding.planner import Fixed
+
+    engine.schedule = Fixed(Plan())  # plain rounds: the greedy row's backlog grows
     for _ in range(6):
         engine.step()
     # The prompt's catch-up waits for a drafting round too: prompt + first token + 6 rounds.
     assert len(sampled.seq.pending_ids) == len(ps[0]) + 6
     assert len(greedy.seq.pending_ids) == len(ps[1]) + 6
     assert sampled.seq.draft_len == greedy.seq.draft_len == 0
-    engine.config.num_draft_tokens = 3
+    engine.schedule = Fixed(Plan(3))
     sizes = []
     real = drafting.catch_up_rows
     monkeypatch.setattr(drafting, "catch_up_rows",
@@ -567,17 +569,17 @@ def test_engine_automatic_plan_may_pick_the_tree(ctx):
 def test_engine_holds_a_plan_for_repick_every_rounds(ctx, monkeypatch):
     """As generate does, the engine re-chooses its plan every REPICK_EVERY rounds at one batch
     size, and at once when the batch size changes (a choice each round chases timing noise)."""
+    import eagle3.decoding.driver as driver_module
     import eagle3.decoding.planner as planner_module
-    import eagle3.engine.engine as engine_module
     from eagle3.decoding.costs import REPICK_EVERY
 
     spec = spec_for(ctx, "mixed", ps=[prompts(1, 4)[0], prompts(1, 5)[0]], n=60)
     engine = Engine(spec, EngineConfig(max_batch=2)).start(background=False)
     chosen, sizes = [], []  # the batch size of each choice and of each round
-    real_choose, real_round = planner_module.choose_plan, engine_module.run_round
+    real_choose, real_round = planner_module.choose_plan, driver_module.run_round
     monkeypatch.setattr(planner_module, "choose_plan", lambda costs, acc, B, *a, **kw:
                         chosen.append(B) or real_choose(costs, acc, B, *a, **kw))
-    monkeypatch.setattr(engine_module, "run_round", lambda runner, seqs, plan:
+    monkeypatch.setattr(driver_module, "run_round", lambda runner, seqs, plan:
                         sizes.append(len(seqs)) or real_round(runner, seqs, plan))
     first = engine.submit(prompts(1, 4)[0], 60, stop_token_ids=[])
     while engine.step():

@@ -132,7 +132,7 @@ def test_the_engine_planner_holds_a_choice_per_batch_size():
     first = p.held(1)
     assert first.k == 4  # the optimistic prior (0.8 per position): the longest chain pays most
     for _ in range(20):
-        p.record(4, 0)  # nothing accepted from now on
+        p.acceptance.record(4, 0)  # nothing accepted from now on
     assert all(p.held(1) == first for _ in range(REPICK_EVERY - 1))  # held
     assert p.held(1) == Plan()  # chosen again: plain decoding pays now
     assert p.held(2) == Plan()

@@ -198,7 +198,7 @@ def test_the_heads_fc_runs_once_a_catch_up_over_the_accepted_rows_only(monkeypat
         <= st["accepted_tokens"] + st["rounds"] - 1 < 4 * (st["rounds"] - 1)  # < the verified rows
     # automatic K that finds plain decoding best: its plain rounds leave the head alone
     monkeypatch.setattr(planner, "PROBE_EVERY", 10 ** 6)
-    monkeypatch.setattr(planner.Planner, "choose", lambda self, B, text=False: Plan())
+    monkeypatch.setattr(planner.Planner, "choose", lambda self, B, text_drafts=False: Plan())
     rows.clear()
     plain = s.generate(ids, 48, proposer="eagle")
     assert plain.stats["rounds"] == 0 and plain.stats["target_forwards"] == 48 and rows == []

@@ -18,15 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_hf_model
-from eagle3.decoding.suffix import (
-    MAX_MATCH,
-    SuffixBudget,
-    SuffixIndex,
-    SuffixProposer,
-    graft,
-    grow_mask,
-    resolve_proposer,
-)
+from eagle3.decoding.graft import graft, grow_mask
+from eagle3.decoding.proposers import PROPOSERS
+from eagle3.decoding.request import resolve_proposer
+from eagle3.decoding.suffix import MAX_MATCH, SuffixBudget, SuffixIndex, SuffixState
+from eagle3.decoding.types import SequenceState
 from eagle3.draft import attach_head
 from eagle3.engine import Engine, EngineConfig
 from eagle3.errors import Eagle3Error
@@ -72,7 +68,7 @@ def test_continuation_reads_on_as_a_repetition():
 
 def test_proposer_learns_which_match_lengths_pay():
     cheap = SuffixBudget(ms_per_token=1.0, extra_ms=(0.0, 0.05, 0.1, 0.15))
-    p = SuffixProposer.over([1, 2, 3, 4, 1, 2])
+    p = SuffixState.over([1, 2, 3, 4, 1, 2])
     p.budget = cheap
     assert p.propose(3) == [3, 4, 1]
     rejected = 0
@@ -81,7 +77,7 @@ def test_proposer_learns_which_match_lengths_pay():
         rejected += 1
         assert rejected < 20
     assert rejected >= 1 and p.propose(1) == []
-    q = SuffixProposer.over([7, 8, 9, 7, 8, 9, 7, 8])
+    q = SuffixState.over([7, 8, 9, 7, 8, 9, 7, 8])
     q.budget = cheap
     assert q.propose(3) == [9, 7, 8]  # a longer match: a prior that pays
     q.observe(3, 3)  # accepted whole: counts as a run of `nodes`
@@ -96,7 +92,12 @@ def test_a_drivers_pooled_runs_are_the_next_requests_prior():
     """Text drafts that failed in a driver's earlier requests lower what the next request expects
     of them at the same match length (the fixed prior shrunk towards the pool), so it stops
     paying to re-learn it; requests of a driver without a pool keep the fixed prior."""
-    from eagle3.decoding.suffix import PRIOR_EXTRA, PRIOR_WEIGHT, SUFFIX_NODES, suffix_proposer
+    from eagle3.decoding.suffix import PRIOR_EXTRA, PRIOR_WEIGHT, SUFFIX_NODES
+
+    def suffix_proposer(name, prompt, pools=None):  # a request's text state, as its proposer starts it
+        seq = SequenceState("s", prompt, 8, frozenset())
+        PROPOSERS[name].start(seq, pools)
+        return seq.suffix
 
     text = [7, 8, 9, 7, 8, 9, 7, 8]
     pools: dict = {}

@@ -18,7 +18,9 @@ import torch
 
 from .contract import SpeculatorMethods
 from .decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts
-from .decoding.planner import Generation, Planner
+from .decoding.driver import Driver
+from .decoding.planner import Adaptive, Planner
+from .decoding.proposers import PROPOSERS
 from .decoding.request import (  # noqa: F401  (re-exported: the public request checks)
     MAX_NUM_DRAFT_TOKENS,
     SAMPLING_K,
@@ -26,13 +28,12 @@ from .decoding.request import (  # noqa: F401  (re-exported: the public request 
     check_generation,
     check_num_draft_tokens,
     check_stop_ids,
+    resolve_proposer,
 )
-from .decoding.round import SequenceState, prefill, run_round, usual_catch_up
+from .decoding.round import prefill
 from .decoding.runner import StaticRunner
-from .decoding.sampling import Sampler
-from .decoding.suffix import resolve_proposer, suffix_proposer
 from .decoding.tree import MAX_TREE_DRAFT_SLOTS
-from .decoding.types import Plan, SpecStats
+from .decoding.types import SpecStats
 from .errors import Eagle3Error, notice
 from .targets.protocol import TapTarget, validate_taps
 
@@ -68,6 +69,7 @@ class Eagle3Speculator:
                 self.taps = validate_taps(self.taps, layers)
         self.tokenizer = tokenizer
         self._runner = runner
+        self._driver: Driver | None = None
         self._contract: Any = None
         self._warned_low_acceptance = False
         self.planner = Planner(self.max_auto_k)  # automatic K: costs measured by calibrate()
@@ -101,6 +103,13 @@ class Eagle3Speculator:
             self._runner = StaticRunner(self.target, self.draft, self.taps,
                                         MAX_TREE_DRAFT_SLOTS if self.draft is not None else 0)
         return self._runner
+
+    @property
+    def driver(self) -> Driver:
+        """The rounds' driver (`decoding.driver`) on this runner and planner."""
+        if self._driver is None or self._driver.runner is not self.runner:
+            self._driver = Driver(self.runner, self.planner)
+        return self._driver
 
     @property
     def compiled(self) -> bool:
@@ -253,54 +262,33 @@ class Eagle3Speculator:
                          stop_token_ids=stop_token_ids, proposer=proposer)
         return self.run(req)
 
-    def _first_plan(self, req: GenerationRequest) -> tuple[Plan, Generation | None]:
-        """The plan for the first round, and the planner's `Generation` when it is automatic
-        (re-chosen as we go; plain decoding is a candidate, the head re-probed now and then)."""
-        if self.draft is None or req.proposer == "suffix":
-            return Plan(), None
-        if req.tree is not None:
-            return Plan(tree=req.tree), None
-        if not req.sampling.greedy:
-            return Plan(req.num_draft_tokens or SAMPLING_K), None
-        if req.num_draft_tokens is not None:
-            return Plan(req.num_draft_tokens), None
-        self.calibrate()
-        auto = self.planner.generation(text=req.proposer == "hybrid")
-        return auto.plan, auto
-
     @torch.no_grad()
     def run(self, req: GenerationRequest) -> GenerationResult:
-        """Decode a checked request (`check`) on this speculator's runner."""
-        plan, auto = self._first_plan(req)
-        sampler = None if req.sampling.greedy else Sampler(req.sampling, self.target_device)
-        head = self.draft is not None and req.proposer != "suffix"
-        pools = self.planner.suffix_runs if sampler is None else None
-        seq = SequenceState("generate", req.prompt, req.max_new_tokens, req.stop_ids, sampler,
-                            drafts=head, suffix=suffix_proposer(req.proposer, req.prompt, pools))
+        """Decode a checked request (`check`) on this speculator's runner: the engine's driver
+        (`decoding.driver`) at batch 1, the plan's schedule chosen by the planner."""
+        head = self.draft is not None and PROPOSERS[req.proposer].uses_head
+        schedule = self.planner.schedule(drafts=head, k=req.num_draft_tokens, tree=req.tree,
+                                         greedy=req.sampling.greedy)
+        seq = self.driver.start("generate", req, schedule)
+        if schedule.automatic or seq.suffix is not None:  # measured before the clock
+            self.calibrate()
+        plan = schedule.plan(1, seq.suffix is not None)
         stats = seq.stats
         if head:
             stats.size(plan.tree.depth if plan.tree is not None else
-                       (self.max_auto_k if auto is not None else plan.k))
+                       (self.max_auto_k if schedule.automatic else plan.k))
             if plan.tree is not None:
                 stats.tree = plan.tree.as_dict()
             else:
                 stats.num_draft_tokens = plan.k
-        runner = self.runner
-        if seq.suffix is not None:  # its nodes are chosen by the cost model, measured before the clock
-            self.calibrate()
         t0 = time.perf_counter()
-        prefill(runner, seq)
+        prefill(self.runner, seq)
         while not seq.done:
-            t_round = time.perf_counter()
-            typical = usual_catch_up(seq, plan)
-            if seq.suffix is not None and sampler is None:  # sampled: the fixed rule (as the engine)
-                seq.suffix.budget = self.planner.suffix_budget(1, plan, seq.suffix.nodes)
-            (v,) = run_round(runner, [seq], plan)
+            _, (v,) = self.driver.round([seq], schedule)
             if v.error is not None:
                 raise Eagle3Error(f"generation failed: {v.error}")
-            if auto is not None:
-                plan = auto.after(v, stats.rounds, (time.perf_counter() - t_round) * 1e3, typical)
-                stats.num_draft_tokens = plan.k
+            if isinstance(schedule, Adaptive):
+                stats.num_draft_tokens = schedule.next.k
         stats.seconds = time.perf_counter() - t0
         if head:
             self._check_acceptance(stats)

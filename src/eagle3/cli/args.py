@@ -98,7 +98,7 @@ PROPOSER_HELP = ("who drafts: eagle (the head), suffix (continuations of earlier
 
 
 def add_proposer_arg(p: argparse.ArgumentParser) -> None:
-    from ..decoding.suffix import PROPOSERS
+    from ..decoding.proposers import PROPOSERS
 
     p.add_argument("--proposer", default=None, choices=PROPOSERS, help=PROPOSER_HELP)
 

@@ -259,7 +259,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def parse_proposers(text: str | None) -> list[str | None]:
     """--proposer's list (None: the default proposer's rows)."""
-    from ..decoding.suffix import PROPOSERS
+    from ..decoding.proposers import PROPOSERS
 
     if text is None:
         return [None]

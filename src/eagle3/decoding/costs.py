@@ -256,30 +256,30 @@ class Observed:
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
-        # (batch size, plan, text) -> ratio; text: rounds whose rows also draft from the text
-        # (`decoding.suffix`), which verify more than the plan's own nodes
+        # (batch size, plan, text_drafts) -> ratio; text_drafts: rounds whose rows also draft
+        # from the text (`decoding.suffix`), which verify more than the plan's own nodes
         self.ratio: dict[tuple[int, Plan, bool], float] = {}
 
     def record(self, B: int, plan: Plan, actual_ms: float, predicted_ms: float,
-               text: bool = False) -> None:
-        key, r = (B, plan, text), actual_ms / max(predicted_ms, 1e-6)
+               text_drafts: bool = False) -> None:
+        key, r = (B, plan, text_drafts), actual_ms / max(predicted_ms, 1e-6)
         old = self.ratio.get(key)
         self.ratio[key] = r if old is None else (1 - self.weight) * old + self.weight * r
 
-    def seen(self, B: int, plan: Plan, text: bool = False) -> bool:
+    def seen(self, B: int, plan: Plan, text_drafts: bool = False) -> bool:
         """Whether rounds of `plan` at batch size B were measured."""
-        return (B, plan, text) in self.ratio
+        return (B, plan, text_drafts) in self.ratio
 
-    def scale(self, B: int, plan: Plan, text: bool = False) -> float:
+    def scale(self, B: int, plan: Plan, text_drafts: bool = False) -> float:
         """The correction for this plan at this batch size. A drafting plan that has not run yet
         borrows the correction of the drafting plan run at this size whose verify is nearest in
         length (else 1): an untried plan would otherwise look cheaper than every tried one, by
         the host work only a run shows, and be tried round after round."""
-        own = self.ratio.get((B, plan, text))
+        own = self.ratio.get((B, plan, text_drafts))
         if own is not None or not plan.drafts:
             return 1.0 if own is None else own
         tried = [(abs(verify_len(p) - verify_len(plan)), r) for (b, p, t), r in self.ratio.items()
-                 if b == B and p.drafts and t == text]
+                 if b == B and p.drafts and t == text_drafts]
         return min(tried, key=lambda t: t[0])[1] if tried else 1.0
 
 
@@ -290,7 +290,7 @@ def verify_len(plan: Plan) -> int:
 
 def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
                 tree: TreeShape | None = None, min_k: int = 0,
-                observed: Observed | None = None, text: bool = False) -> Plan:
+                observed: Observed | None = None, text_drafts: bool = False) -> Plan:
     """The plan with the most tokens per millisecond at batch size B: plain (unless min_k > 0;
     drafting must beat it by PLAIN_MARGIN), chains of min_k..kmax, and `tree` when given (ties:
     the cheaper, plain first). With
@@ -305,9 +305,10 @@ def choose_plan(costs: RoundCosts, acceptance: Acceptance, B: int, kmax: int,
     best, best_rate = candidates[0], -1.0
     for plan in candidates:
         tau = (acceptance.tau_tree(plan.tree) if plan.tree is not None else acceptance.tau(plan.k))
-        if text:  # what the text adds to this plan's rounds
+        if text_drafts:  # what the text adds to this plan's rounds
             tau += acceptance.text_gain(plan.drafts)
-        ms = costs.round_ms(B, plan) * (observed.scale(B, plan, text) if observed is not None else 1.0)
+        scale = observed.scale(B, plan, text_drafts) if observed is not None else 1.0
+        ms = costs.round_ms(B, plan) * scale
         rate = B * tau / ms * (1.0 if plan.drafts else 1.0 + PLAIN_MARGIN)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = plan, rate

@@ -8,10 +8,13 @@ from typing import Any
 import torch
 
 from ..errors import Eagle3Error
+from .proposers import PROPOSERS
 from .sampling import SamplingParams, check_sampling
 from .tree import TreeShape, parse_tree
 
 MAX_NUM_DRAFT_TOKENS = 32
+DEFAULT_PROPOSER = "hybrid"  # with a head on a runner that verifies trees (docs/suffix.md: never
+# below the head alone)
 SAMPLING_K = 4  # chain drafts for sampled requests under automatic K: a seed's output then
 # never depends on timings or on the batch a request shares
 
@@ -26,7 +29,8 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     num_draft_tokens: int | None = None  # None: automatic
     tree: TreeShape | None = None
-    proposer: str | None = None  # 'eagle', 'suffix', 'hybrid' (`decoding.suffix`); None: the default
+    proposer: str | None = None  # a `decoding.proposers` name ('eagle', 'suffix', 'hybrid');
+    # None: the default (`resolve_proposer`)
 
 
 def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
@@ -89,6 +93,28 @@ def check_generation(prompt_ids: Any, max_new_tokens: Any, *, vocab_size: int, m
         raise Eagle3Error("num_draft_tokens sets a chain's length; with tree= set, leave it "
                           "None (the tree's depth and total_tokens size the draft)")
     stop = check_stop_ids(stop_token_ids, eos_token_ids)
-    # the proposer's name and what it needs are checked against the speculator
-    # (`suffix.resolve_proposer`), which knows whether a head is there
+    # the proposer's name and what it needs are checked against the speculator or engine
+    # (`resolve_proposer`), which knows whether a head is there
     return GenerationRequest(ids, max_new_tokens, params, stop, k, shape, proposer)
+
+
+def resolve_proposer(proposer: str | None, has_head: bool, trees: bool = True,
+                     greedy: bool = True) -> str:
+    """Who drafts (`decoding.proposers`): a registered name, checked against what it needs (a
+    head, a runner that verifies trees). None: DEFAULT_PROPOSER for a greedy request with a head
+    on a tree-capable runner, else 'eagle' (the head alone; without a head, plain decoding): a
+    sampled chain grafted with text nodes loses its draft q (docs/suffix.md)."""
+    if proposer is None:
+        default = PROPOSERS[DEFAULT_PROPOSER]
+        ok = has_head and (trees or not default.grafts) and (greedy or not default.greedy_only)
+        return DEFAULT_PROPOSER if ok else "eagle"
+    chosen = PROPOSERS.get(proposer) if isinstance(proposer, str) else None
+    if chosen is None:
+        raise Eagle3Error(f"proposer must be one of {', '.join(PROPOSERS)}, got {proposer!r}")
+    if chosen.uses_head and not has_head:
+        raise Eagle3Error(f"proposer '{proposer}' needs a draft head; load one, or use "
+                          "proposer='suffix' (drafts from the text alone)")
+    if chosen.grafts and not trees:
+        raise Eagle3Error(f"proposer '{proposer}' verifies a tree, which the transformers adapter "
+                          "cannot; load with backend='native' or use proposer 'eagle' or 'suffix'")
+    return proposer

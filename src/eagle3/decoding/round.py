@@ -6,11 +6,13 @@ but not yet in the target cache) sits at position P = `target_len`; the draft ca
 holds positions 0..P-1, its last output (`root` logits, `boundary` feature) predicts
 the token after the anchor. A round with `Plan(k, tree)`:
 
-    draft      per group of rows sharing a plan, the runner's `draft_chain` / `draft_tree`
-               (`decoding.drafting`): teacher-force each row's pending tokens with their
-               target taps' features into the draft (its new root and boundary), then a
-               `Proposal`: k chain drafts (argmax, or sampled from the draft's q for
-               sampled rows), or a dynamic tree (`decoding.tree.expand_tree`). How the
+    draft      per group of rows sharing a proposer and a plan, its `Proposal`s
+               (`decoding.proposers`). The head's, through the runner's `draft_chain` /
+               `draft_tree` (`decoding.drafting`): teacher-force each row's pending tokens
+               with their target taps' features into the draft (its new root and
+               boundary), then k chain drafts (argmax, or sampled from the draft's q for
+               sampled rows), or a dynamic tree (`decoding.tree.expand_tree`); the text's,
+               chains of earlier matches, alone or grafted onto the head's nodes. How the
                runner runs them (eager, or fused compiled graphs) is its own affair
     verify     one target forward over [anchor, nodes] per row, ancestor masks, RoPE
                positions P + depth
@@ -18,7 +20,8 @@ the token after the anchor. A round with `Plan(k, tree)`:
                sampling: a `Verdict` (accepted path, next token)
     commit     the accepted nodes' target K/V to contiguous positions (trees only), the
                target length past them, tokens emitted up to a stop id or max_new_tokens,
-               the accepted path's taps queued for the next catch-up, stats
+               the accepted path's taps queued for the next catch-up, stats; the row's
+               proposer observes its verdict
 
 The corrected/bonus token never gets a target forward of its own: it is the next
 round's anchor, so a round costs one target forward. Capacity: a row
@@ -38,8 +41,8 @@ from ..kernels import argmax
 from .accept import accept
 from .layout import Layout, causal_layout
 from .profile import active
+from .proposers import propose_round
 from .runner import Runner
-from .suffix import add_suffix_drafts, suffix_room
 from .types import Plan, Proposal, SequenceState, Verdict
 
 
@@ -102,8 +105,6 @@ def prefill(runner: Runner, seq: SequenceState) -> int:
     seq.stats.target_forwards += 1
     seq.target_len = n
     seq.done = emit(seq.out, [first], seq.stop_ids, seq.max_new_tokens)
-    if seq.suffix is not None:
-        seq.suffix.index.extend([first])
     if drafts and not seq.done:
         seq.pending_ids, seq.pending_feats = [*seq.prompt[1:], first], [feats[0]]
     prof.toc("prefill", logits, syncs=1)
@@ -165,13 +166,8 @@ def commit(runner: Runner, seq: SequenceState, verdict: Verdict, feats: torch.Te
     seq.done = emit(seq.out, emitted, seq.stop_ids, seq.max_new_tokens)
     verdict.new = seq.out[new_start:]
     verdict.done = seq.done
-    if seq.suffix is not None:
-        if verdict.suffix is not None:  # how far the text's chain agreed, what it alone added
-            chain, kept = verdict.suffix, emitted[:a]
-            agreed = next((i for i, (x, y) in enumerate(zip(chain, kept)) if x != y),
-                          min(len(chain), len(kept)))
-            seq.suffix.observe(agreed, verdict.text_accepted)
-        seq.suffix.index.extend(verdict.new)
+    if seq.proposer is not None:
+        seq.proposer.observe(seq, verdict)
     if feats is not None and seq.drafts and not seq.done:
         seq.pending_ids.extend(emitted)
         seq.pending_feats.append(feats[b, :a + 1] if contiguous else feats[b, [0, *path]])
@@ -187,24 +183,9 @@ def run_round(runner: Runner, seqs: list[SequenceState], plan: Plan) -> list[Ver
     plans = [s.plan or plan for s in seqs]
     grants = [grant(s, p, runner.max_len) for s, p in zip(seqs, plans, strict=True)]
     for s, p, n in zip(seqs, plans, grants, strict=True):  # pages for the round's writes
-        extra = suffix_room(s, runner.max_len, n) if s.suffix is not None else 0
+        extra = s.proposer.nodes(s, runner.max_len, n) if s.proposer is not None else 0
         runner.reserve(s, s.target_len + (max(n + 1 + extra, draft_span(p)) if n else 1 + extra))
-    # Rows draft together when their drafts are the same function of their own state: one plan,
-    # and for trees one depth (a row near the cache's end expands fewer levels), so a row's
-    # proposal never depends on the batch it shares.
-    groups: dict[tuple[Plan, int], list[int]] = {}
-    for b, (p, n) in enumerate(zip(plans, grants, strict=True)):
-        if n > 0:
-            groups.setdefault((p, min(p.tree.depth, n) if p.tree else 0), []).append(b)
-    proposals = []
-    for (p, _), rows in groups.items():  # each group catches up and drafts in its runner's way
-        group, counts = [seqs[b] for b in rows], [grants[b] for b in rows]
-        proposal = (runner.draft_tree(group, p.tree, counts) if p.tree is not None
-                    else runner.draft_chain(group, p.k, counts))
-        proposal.rows = rows
-        proposals.append(proposal)
-    if any(s.suffix is not None for s in seqs):  # drafts from the text, merged in
-        proposals = add_suffix_drafts(seqs, proposals, runner.max_len, runner.device)
+    proposals = propose_round(runner, seqs, plans, grants)  # each proposer in its own way
     if proposals:
         prof.toc("draft", proposals[-1].tokens)
     logits, feats, tokens = verify(runner, seqs, proposals)

@@ -13,7 +13,6 @@ from .tree import TreeShape
 
 if TYPE_CHECKING:
     from .sampling import Sampler
-    from .suffix import SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,8 @@ class SequenceState:
     max_new_tokens: int
     stop_ids: frozenset[int]
     sampler: Sampler | None = None
-    drafts: bool = True  # False: never drafts (plain decoding even with a head)
+    drafts: bool = True  # whether the head drafts for this row (False: plain decoding, or a
+    # proposer without the head)
     plan: Plan | None = None  # this sequence's own plan, whatever the batch's (sampled rows: a
     # fixed one, so that a seed's draws never depend on the batch or on timings)
     out: list[int] = field(default_factory=list)  # generated tokens; out[-1] is the anchor
@@ -164,7 +164,9 @@ class SequenceState:
     draft_len: int = 0  # positions with draft K/V
     pending_ids: list[int] = field(default_factory=list)  # tokens the draft has not seen
     pending_feats: list[torch.Tensor] = field(default_factory=list)  # their target taps (n, F)
-    suffix: SuffixProposer | None = None  # drafts from the text itself (`decoding.suffix`)
+    proposer: Any = None  # who drafts (`decoding.proposers.Proposer`); None: the head, when `drafts`
+    suffix: Any = None  # the text's index and record (`decoding.suffix.SuffixState`), for the
+    # proposers that draft from the text
     root: torch.Tensor | None = None  # (Vd,) draft logits after the last catch-up
     boundary: torch.Tensor | None = None  # (H,) the feature that follows
     done: bool = False

@@ -27,13 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..decoding.costs import AUTO_MAX_K, Acceptance, RoundCosts, probe_batch_sizes
+from ..decoding.driver import Driver
 from ..decoding.planner import Planner
-from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens
-from ..decoding.round import SequenceState, prefill, run_round, usual_catch_up
-from ..decoding.sampling import Sampler
-from ..decoding.suffix import SUFFIX_NODES, resolve_proposer, suffix_proposer
+from ..decoding.request import SAMPLING_K, check_generation, check_num_draft_tokens, resolve_proposer
+from ..decoding.round import prefill
 from ..decoding.tree import TreeShape, parse_tree
-from ..decoding.types import Plan
 from ..errors import Eagle3Error, brief, notice
 from .paged import PagedRunner, PagePool
 from .request import DONE, Request, RequestState
@@ -90,6 +88,9 @@ class Engine:
         self.runner = PagedRunner(spec.target, spec.draft if self.speculate else None, spec.taps,
                                     self.pool)
         self.planner = Planner(self.kmax, self.tree)  # automatic plans, over all requests
+        self.schedule = self.planner.schedule(drafts=self.speculate, k=k, tree=self.tree,
+                                              automatic=cfg.auto_plan, batched=True)
+        self.driver = Driver(self.runner, self.planner)  # the rounds, as `generate` runs them
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.Condition()
@@ -139,8 +140,7 @@ class Engine:
     @property
     def automatic(self) -> bool:
         """Whether the cost model picks each round's plan."""
-        return (self.speculate and self.config.num_draft_tokens is None
-                and (self.tree is None or self.config.auto_plan))
+        return self.schedule.automatic
 
     @property
     def _extra(self) -> int:
@@ -207,8 +207,8 @@ class Engine:
                                    max_len=self.max_model_len, eos_token_ids=cfg.eos_token_ids,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    stop_token_ids=stop_token_ids)
-            proposer = resolve_proposer(proposer or self.config.proposer, self.speculate,
-                                        greedy=req.sampling.greedy)
+            req = replace(req, proposer=resolve_proposer(proposer or self.config.proposer, self.speculate,
+                                                         greedy=req.sampling.greedy))
         except Eagle3Error as e:
             raise EngineError(str(e).replace("max_new_tokens", "max_tokens")) from None
         prompt_ids = req.prompt
@@ -225,14 +225,7 @@ class Engine:
             r = Request(f"req-{next(self.ids)}", list(prompt_ids), max_tokens, req.sampling,
                         req.stop_ids, on_event,
                         timeout_s if timeout_s is not None else self.config.request_timeout_s)
-            sampler = None if req.sampling.greedy else Sampler(req.sampling, self.runner.device)
-            # Sampled requests under automatic plans draft a fixed chain, as generate does: their
-            # draws then never depend on timings or on the batch they share.
-            own = Plan(SAMPLING_K) if sampler is not None and self.automatic else None
-            pools = self.planner.suffix_runs if sampler is None else None
-            r.seq = SequenceState(r.id, r.prompt_ids, max_tokens, r.stop_ids, sampler,
-                                  drafts=self.speculate and proposer != "suffix", plan=own,
-                                  suffix=suffix_proposer(proposer, r.prompt_ids, pools))
+            r.seq = self.driver.start(r.id, req, self.schedule)
             self.waiting.append(r)
             self.lock.notify_all()
         return r
@@ -276,30 +269,13 @@ class Engine:
         if not self.running:
             return False
         batch = list(self.running)
-        plan = self._choose_plan(batch)
-        # A row's first drafting round also runs the head over its prompt, and one after plain
-        # rounds over their tokens: not a round's usual cost, so such rounds do not correct the
-        # cost model.
-        typical = all(usual_catch_up(r.seq, r.seq.plan or plan) for r in batch)
-        t0 = time.perf_counter()
-        # What suffix nodes cost in this round (`decoding.suffix`), the same for every row; sampled
-        # rows keep the fixed rule, so that a seed's draws never depend on the batch or on timings.
-        budget = None
-        for r in batch:
-            if r.seq.suffix is not None and r.seq.sampler is None:
-                budget = budget or self.planner.suffix_budget(len(batch), plan, SUFFIX_NODES)
-                r.seq.suffix.budget = budget
         try:
-            verdicts = run_round(self.runner, [r.seq for r in batch], plan)
+            plan, verdicts = self.driver.round([r.seq for r in batch], self.schedule)
         except Exception as e:  # a batched forward failed: its requests fail, the engine goes on
             notice(f"a batched round failed ({type(e).__name__}: {e}); failing its {len(batch)} requests")
             for r in batch:
                 self._finish(r, RequestState.FAILED, "error", error=brief(e))
             return True
-        if self.costs is not None and (typical or not plan.drafts):
-            self.planner.observe(len(batch), plan, (time.perf_counter() - t0) * 1e3,
-                                 any(r.seq.suffix is not None for r in batch),
-                                 max(len(v.depths) for v in verdicts))
         with self.lock:  # counters for metrics(), which other threads read: consistent per round
             self.stats.round(plan, {r.id: r.metrics for r in batch})
         now = time.perf_counter()
@@ -307,10 +283,6 @@ class Engine:
             if v.error is not None:  # this request's own handling failed: it alone fails
                 self._finish(r, RequestState.FAILED, "error", error=v.error)
                 continue
-            if r.seq.suffix is not None:  # what the text added beyond the head (`decoding.suffix`)
-                self.planner.acceptance.record_text(bool(v.head_nodes), v.text_accepted)
-            if v.head_nodes:  # the head's own acceptance (`decoding.suffix` nodes apart)
-                self.planner.record(v.head_nodes, v.head_accepted, tree=plan.tree is not None)
             if v.new:
                 r.last_token_at = now
             if v.done:
@@ -318,16 +290,6 @@ class Engine:
             elif v.new:
                 self._emit(r, v.new)
         return True
-
-    def _choose_plan(self, batch: list[Request]) -> Plan:
-        if not self.speculate:
-            return Plan()
-        if self.config.num_draft_tokens is not None:
-            return Plan(self.config.num_draft_tokens)
-        if not self.automatic:
-            return Plan(tree=self.tree)
-        # rows drafting from the text too (`decoding.suffix`): their gain counts, their times apart
-        return self.planner.held(len(batch), any(r.seq.suffix is not None for r in batch))
 
     def _admit(self) -> None:
         while len(self.running) < self.config.max_batch:
