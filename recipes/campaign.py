@@ -244,7 +244,7 @@ def prompt_sources() -> dict[str, list[list[int]]]:
     of regeneration), then `libcode` (`lib_code_prompts`, added after all 155 chunks of the
     above). A new source only ever goes after the chunks already made, so they keep their
     prompts; the one chunk it shares with the source before is made again."""
-    from eagle3.tokenizer import load_tokenizer
+    from eagle3.targets.tokenizer import load_tokenizer
     from eagle3.train.data import sharegpt_train_prompts
     from eagle3.train.sharegpt import sharegpt_turns
 

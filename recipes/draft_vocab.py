@@ -35,7 +35,7 @@ def answers(prompt_set: str, limit: int, cache: Path) -> torch.Tensor:
     """The default target's greedy answer tokens (128 new tokens) to `limit` prompts of a set."""
     from eagle3.bench.prompts import read_prompt_records
     from eagle3.targets import load_target
-    from eagle3.tokenizer import load_tokenizer
+    from eagle3.targets.tokenizer import load_tokenizer
     from eagle3.train.data import prompt_from_record, regenerate
 
     target, tok = load_target("default"), load_tokenizer("default")
@@ -49,8 +49,8 @@ def answers(prompt_set: str, limit: int, cache: Path) -> torch.Tensor:
 def step_times(sizes: list[int], reps: int) -> dict[str, float]:
     """Median ms of one draft step per size, and of one plain target decode step."""
     import eagle3
-    from eagle3.default import default_head_dir
     from eagle3.draft.formats import load_head, save_head
+    from eagle3.targets.default import default_head_dir
 
     _, base = load_head(default_head_dir())
     specs = {}

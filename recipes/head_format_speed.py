@@ -29,7 +29,7 @@ import eagle3  # noqa: E402
 import eagle3.kernels.steps as steps  # noqa: E402
 from eagle3.bench.prompts import read_prompt_records  # noqa: E402
 from eagle3.decoding.profile import profiling  # noqa: E402
-from eagle3.tokenizer import load_tokenizer  # noqa: E402
+from eagle3.targets.tokenizer import load_tokenizer  # noqa: E402
 from eagle3.train.data import prompt_from_record  # noqa: E402
 
 

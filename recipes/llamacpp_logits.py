@@ -28,7 +28,7 @@ import torch
 import eagle3
 from eagle3.bench.llamacpp import read_saved_logits
 from eagle3.bench.prompts import prompt_set
-from eagle3.llamacpp import binary
+from eagle3.draft.llamacpp import binary
 from eagle3.targets.gguf import read_gguf
 from eagle3.targets.named import default_target_dir
 from eagle3.train.data import prompt_from_record

@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from eagle3.bench.prompts import read_prompt_records
-    from eagle3.default import default_head_dir
     from eagle3.draft import attach_head, load_head
     from eagle3.targets import load_target
-    from eagle3.tokenizer import load_tokenizer
+    from eagle3.targets.default import default_head_dir
+    from eagle3.targets.tokenizer import load_tokenizer
     from eagle3.train.data import collate, prompt_from_record, regenerate
     from eagle3.train.simulate import chain_runs, depth_hits, simulated_tau, walked_rounds, walked_tau
     from eagle3.train.trainer import target_forward

@@ -78,10 +78,10 @@ def walk(text: list[int], start: int, head_runs: list[int] | None, k: int, d: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle3.default import default_head_dir
     from eagle3.draft import attach_head, load_head
     from eagle3.targets import load_target
-    from eagle3.tokenizer import load_tokenizer
+    from eagle3.targets.default import default_head_dir
+    from eagle3.targets.tokenizer import load_tokenizer
     from eagle3.train.data import collate
     from eagle3.train.simulate import chain_runs
     from eagle3.train.trainer import target_forward

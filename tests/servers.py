@@ -14,7 +14,7 @@ import requests
 import uvicorn
 
 from eagle3.serve import build_app
-from eagle3.tokenizer import Tokenizer
+from eagle3.targets.tokenizer import Tokenizer
 
 NAME = "eagle3-default"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

@@ -10,7 +10,7 @@ PROBE = """
 import resource, sys, torch
 torch.set_num_threads(1)
 if sys.argv[1] == "steady":
-    from eagle3.allocator import steady_allocator
+    from eagle3.train.allocator import steady_allocator
     assert steady_allocator() is True
 else:  # glibc's behaviour for blocks below its current threshold, made deterministic: fresh mmaps
     import ctypes

@@ -81,8 +81,8 @@ def llama(home):
 
 @pytest.fixture(scope="module")
 def with_tokenizer(home):
-    """A small random Llama with a byte-level tokenizer.json, written by eagle3.default."""
-    from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
+    """A small random Llama with a byte-level tokenizer.json, written by eagle3.targets.default."""
+    from eagle3.targets.default import RANDOM_CONFIG, build_random_checkpoint
 
     d = os.path.join(home, "tok")
     build_random_checkpoint(d, {**RANDOM_CONFIG, "hidden_size": 64, "intermediate_size": 128,
@@ -141,7 +141,7 @@ def test_generate_prompt_ids(llama, env):
 
 @pytest.mark.slow
 def test_generate_text_prompt(with_tokenizer, env):
-    from eagle3.tokenizer import load_tokenizer
+    from eagle3.targets.tokenizer import load_tokenizer
 
     d = with_tokenizer
     prompt = "def parse_args(argv):"
@@ -180,7 +180,7 @@ def test_inspect(llama, env):
 
 def test_inspect_non_native(home, with_tokenizer):
     """In process: a model_type with no native target is described from its own config keys."""
-    from eagle3.inspection import inspect_path
+    from eagle3.cli.inspection import inspect_path
 
     g = os.path.join(home, "gpt2-inspect")
     transformers.GPT2LMHeadModel(transformers.GPT2Config(

@@ -30,9 +30,9 @@ from gguf import GGMLQuantizationType as Q
 
 import eagle3
 from conftest import make_hf_model
+from eagle3.cli.inspection import inspect_path
 from eagle3.draft import save_head
 from eagle3.errors import Eagle3Error
-from eagle3.inspection import inspect_path
 from eagle3.targets import load_target
 from gguf_files import write_gguf
 from heads import random_head

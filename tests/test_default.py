@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import eagle3
-from eagle3.default import REPO_MODELS, default_head_dir, default_target_dir
+from eagle3.targets.default import REPO_MODELS, default_head_dir, default_target_dir
 
 pytestmark = pytest.mark.slow
 HEAD = REPO_MODELS / "head"
@@ -111,7 +111,7 @@ def test_make_run_command():
 def test_chat_streams_turns_and_resets(spec):
     import io
 
-    from eagle3.chat import ChatSession, run_chat
+    from eagle3.cli.chat_session import ChatSession, run_chat
 
     out, err = io.StringIO(), io.StringIO()
     session = ChatSession(spec, max_new_tokens=16, out=out)

@@ -388,7 +388,7 @@ def test_inspect_cli(tmp_path, target):
 
 
 def test_inspect_in_process(tmp_path, target):
-    from eagle3.inspection import inspect_path
+    from eagle3.cli.inspection import inspect_path
 
     o = inspect_path(good_head(tmp_path / "h"))
     assert o["kind"] == "eagle3 head" and o["format"] == "official"

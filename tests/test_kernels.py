@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 import eagle3
 from conftest import make_hf_model
-from eagle3.cache import masked_attention
 from eagle3.errors import Eagle3Error
 from eagle3.kernels import (
     FORMATS,
@@ -39,6 +38,7 @@ from eagle3.kernels import (
     use_isa,
 )
 from eagle3.kernels import argmax as kernel_argmax
+from eagle3.targets.cache import masked_attention
 
 GROUPS = {"float32": [None], "bfloat16": [None], "int8": [32, 64], "int4": [32, 64]}
 CASES = [(f, g) for f in FORMATS for g in GROUPS[f]] + [("q4_0", 32)]
@@ -572,7 +572,7 @@ def head_on(source: str, fmt: str, tmp_path) -> torch.nn.Module:
 
     from eagle3.draft import attach_head
     from eagle3.kernels import use_fused_steps
-    from eagle3.kernels.formats import quantize_model
+    from eagle3.kernels.weight_formats import quantize_model
     from gguf_files import write_gguf
     from heads import random_head
 

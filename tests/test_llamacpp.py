@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from conftest import make_hf_model
-from eagle3 import llamacpp
-from eagle3.draft import save_head
+from eagle3.draft import llamacpp, save_head
 from eagle3.targets import load_target
 from heads import random_head
 

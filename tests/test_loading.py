@@ -374,7 +374,7 @@ def test_malformed_generation_config(ckpt, text):
 
 
 def test_tokenizer_presence(ckpt, tmp_path):
-    from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
+    from eagle3.targets.default import RANDOM_CONFIG, build_random_checkpoint
 
     assert eagle3.load(ckpt, "none").tokenizer is None
     d = str(tmp_path / "tok")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import eagle3
 import eagle3.kernels as kernels
 from conftest import make_checkpoint, make_hf_model
-from eagle3.contract import CONTRACT_METHODS, SpeculatorMethods
+from eagle3.decoding.contract import CONTRACT_METHODS, SpeculatorMethods
 from eagle3.decoding.costs import REPICK_EVERY, RoundCosts
 from eagle3.decoding.planner import Planner
 from eagle3.decoding.types import Plan

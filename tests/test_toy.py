@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import eagle3
-from eagle3.default import TOY_MODELS as REPO_MODELS
+from eagle3.targets.default import TOY_MODELS as REPO_MODELS
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ import transformers
 import eagle3
 from conftest import make_hf_model
 from eagle3 import Eagle3Error
-from eagle3.default import RANDOM_CONFIG, build_random_checkpoint
 from eagle3.draft import attach_head
 from eagle3.targets import load_target
-from eagle3.tokenizer import load_tokenizer
+from eagle3.targets.default import RANDOM_CONFIG, build_random_checkpoint
+from eagle3.targets.tokenizer import load_tokenizer
 from eagle3.train import ttt
 from eagle3.train.data import collate, load_regenerated
 from eagle3.train.trainer import TrainArgs, new_head, prepare, target_forward, train_draft

@@ -15,8 +15,8 @@ import torch
 
 import eagle3
 from eagle3.bench.prompts import prompt_set
-from eagle3.default import default_head_dir, default_target_dir
 from eagle3.draft import convert_head
+from eagle3.targets.default import default_head_dir, default_target_dir
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "..", "build", "vllm")
 

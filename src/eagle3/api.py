@@ -11,7 +11,7 @@ from .kernels import WeightFormat
 from .speculator import Eagle3Speculator
 from .targets import open_target, prepare_loaded, resolve_dtype
 from .targets.decoder import NativeTarget
-from .tokenizer import load_tokenizer
+from .targets.tokenizer import load_tokenizer
 
 
 def load(target: str, draft: str | None = None, *, dtype: torch.dtype | str | None = None,
@@ -84,7 +84,7 @@ def _check_program_args(fmt: WeightFormat, dev: torch.device) -> None:
 def _check_draft(target: str, draft: object, backend: str, compile: bool) -> str | None:
     """One-line errors for the eager path's arguments before anything loads; returns the head
     directory to load (the default head for 'default' when none is named), or None."""
-    from .default import default_head_dir
+    from .targets.default import default_head_dir
 
     if draft is not None and not isinstance(draft, str):
         raise Eagle3Error("draft must be a head directory, 'none' or None")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .contract import SpeculatorMethods
+from .decoding.contract import SpeculatorMethods
 from .decoding.costs import AUTO_MAX_K, Acceptance, Observed, RoundCosts
 from .decoding.driver import Driver
 from .decoding.planner import Adaptive, Planner

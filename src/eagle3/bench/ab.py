@@ -26,8 +26,8 @@ def run_ab(args: argparse.Namespace, backend_names: list[tuple[str, str]], forma
     speculator and the encoded prompts. `notes` gathers what was skipped and why."""
     import eagle3
 
-    from ..default import default_target_dir
     from ..targets import HFTarget, resolve_dtype
+    from ..targets.default import default_target_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 
 Each arm runs one llama.cpp tool per prompt on the same GGUF file: `llama-completion` for
 plain greedy decoding, `llama-speculative-simple --spec-type draft-eagle3` with our head
-converted by llama.cpp's own converter (`eagle3.llamacpp.head_to_gguf`). Prompts go in as
+converted by llama.cpp's own converter (`eagle3.draft.llamacpp.head_to_gguf`). Prompts go in as
 text (our tokenizer's decoding of the prompt ids; llama.cpp parses the special tokens of
 a chat template itself) and the generated text comes back through our tokenizer, so
 `outputs_identical` compares tokens as everywhere else. Seconds are llama.cpp's own
@@ -18,8 +18,8 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from ..draft.llamacpp import BUILD_HINT, binary
 from ..errors import Eagle3Error
-from ..llamacpp import BUILD_HINT, binary
 from .harness import Arm, Sample
 
 TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
@@ -145,7 +145,7 @@ def arms_for(target: str, draft: str | None, spec: Any, max_new_tokens: int, ks:
 
     import torch
 
-    from ..llamacpp import head_to_gguf
+    from ..draft.llamacpp import head_to_gguf
     from ..targets import target_path
 
     why = missing()
@@ -165,7 +165,7 @@ def arms_for(target: str, draft: str | None, spec: Any, max_new_tokens: int, ks:
     if spec.draft is not None:
         head = draft
         if head is None:
-            from ..default import default_head_dir
+            from ..targets.default import default_head_dir
 
             head = default_head_dir()
         head_gguf = os.path.join(tempfile.mkdtemp(prefix="eagle3-bench-"), "head.gguf")

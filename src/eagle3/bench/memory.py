@@ -117,7 +117,7 @@ def memory_rows(target: str, draft: str | None, spec: Any, formats: list, prompt
     """`--memory`: one fresh-process measurement per weight format, and llama.cpp's ."""
     import torch
 
-    from ..llamacpp import binary
+    from ..draft.llamacpp import binary
     from ..targets import target_path
     from . import llamacpp as lc
 

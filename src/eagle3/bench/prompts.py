@@ -142,7 +142,7 @@ def read_prompt_records(path: str, limit: int | None = None) -> list[tuple[str, 
 
 
 def default_prompt_records(target: str, limit: int | None = None) -> list[tuple[str, dict]]:
-    from ..default import default_prompts
+    from ..targets.default import default_prompts
 
     if target == "default":
         return read_prompt_records(default_prompts() or "sharegpt-heldout", limit)

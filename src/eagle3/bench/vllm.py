@@ -240,7 +240,7 @@ def start_for(args, spec, ks: list[int], notes: list[str]) -> dict[str, Worker]:
         return {}
     head = None
     if spec.draft is not None:
-        from ..default import default_head_dir
+        from ..targets.default import default_head_dir
 
         head = args.draft or default_head_dir()
     k = ks[0] if len(ks) == 1 else 3

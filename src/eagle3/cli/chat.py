@@ -11,7 +11,7 @@ from .args import DRAFT_HELP, add_target_args
 def cmd_chat(args: argparse.Namespace) -> int:
     import eagle3
 
-    from ..chat import ChatSession, run_chat
+    from .chat_session import ChatSession, run_chat
 
     if args.max_new_tokens < 1:
         raise Eagle3Error("--max-new-tokens must be >= 1")

@@ -10,7 +10,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..errors import Eagle3Error
 
     if args.to == "gguf":
-        from ..llamacpp import head_to_gguf
+        from ..draft.llamacpp import head_to_gguf
 
         if args.target is None:
             raise Eagle3Error("--to gguf needs --target (the head's target: its vocabulary and "

@@ -7,7 +7,7 @@ import json
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..inspection import inspect_path
+    from .inspection import inspect_path
 
     info = inspect_path(args.path)
     if args.json:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import slots_upto
+from ..targets.cache import slots_upto
 
 
 @dataclass

@@ -43,7 +43,7 @@ class Planner:
         self.costs: RoundCosts | None = None
         self.acceptance = Acceptance(max(kmax, 1))  # over every round this planner saw
         self.observed = Observed()
-        self.explored = False  # whether plain rounds were timed (`Generation`)
+        self.explored = False  # whether plain rounds were timed (`Adaptive`)
         # Text drafts' runs over every request of this driver, per proposer kind (`decoding.suffix`)
         self.suffix_runs: dict[str, list[list[int]]] = {}
         # suffix_extra_ms per (B, plan, nodes) of one cost model (it is asked every round)

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import slots_upto
 from ..errors import brief
 from ..kernels import argmax
+from ..targets.cache import slots_upto
 from .accept import accept
 from .layout import Layout, causal_layout
 from .profile import active

@@ -45,8 +45,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..cache import slots_upto
 from ..errors import Eagle3Error
+from ..targets.cache import slots_upto
 from .drafting import EagerDrafting, backlog, caught_up, chain_steps, draft_chain_proposal, draft_tree
 from .layout import Layout, causal_layout
 from .tree import TreeShape, chain_proposal

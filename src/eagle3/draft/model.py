@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..cache import StaticKVCache, slots_upto
 from ..kernels import FMT_ID, QLinear, fused_step_ok
+from ..targets.cache import StaticKVCache, slots_upto
 from ..targets.config import RopeConfig
 from ..targets.decoder import (
     MLP,

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from ..cache import masked_attention, slots_upto
 from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
 from ..decoding.runner import region_mask
 from ..decoding.types import SequenceState
 from ..errors import Eagle3Error
+from ..targets.cache import masked_attention, slots_upto
 
 
 class PagePool:

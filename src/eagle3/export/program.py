@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..contract import CONTRACT_METHODS, SpeculatorMethods
+from ..decoding.contract import CONTRACT_METHODS, SpeculatorMethods
 from ..errors import Eagle3Error
 from ..files import atomic_dir, check_writable
 from .cache import ExportKVCache

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from ..cache import SlotBook
 from ..decoding.drafting import EagerDrafting
 from ..decoding.layout import Layout
 from ..decoding.runner import one_row
 from ..errors import Eagle3Error, notice
 from ..speculator import Eagle3Speculator, GenerationResult
+from ..targets.cache import SlotBook
 from .program import CONTRACT_METHODS, EXTRA_METHODS, FORMAT_VERSION, META_FILE, PROGRAM_FILE
 
 # Bounds on the metadata's sizes: beyond them the file is corrupt (the runner allocates
@@ -404,7 +404,7 @@ class ExecutorchSpeculator(Eagle3Speculator):
 
 def load_program(program_dir: str, tokenizer: Any = None, *, speculate: bool = True) -> ExecutorchSpeculator:
     """`eagle3.load(..., backend='executorch', program=DIR)`: the tokenizer from DIR when it has one."""
-    from ..tokenizer import load_tokenizer
+    from ..targets.tokenizer import load_tokenizer
 
     if tokenizer is None and isinstance(program_dir, str) and os.path.isdir(program_dir):
         tokenizer = load_tokenizer(program_dir)

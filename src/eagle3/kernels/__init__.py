@@ -3,7 +3,6 @@
 extension and its instruction-set paths) and `steps` (fused steps, `prepare_target`)."""
 
 from .build import (
-    ISA_PATHS,
     cpu_name,
     isa,
     isa_paths,
@@ -11,7 +10,16 @@ from .build import (
     kernel_status,
     use_isa,
 )
-from .formats import (
+from .steps import (
+    argmax,
+    fused_step_ok,
+    prepare_target,
+    row_invariant_attention,
+    to_stock_layers,
+    use_fused_steps,
+    weight_bytes,
+)
+from .weight_formats import (
     BLOCK,
     FMT_ID,
     FORMATS,
@@ -32,17 +40,8 @@ from .formats import (
     unpack_codes,
     unpack_scales,
 )
-from .steps import (
-    argmax,
-    fused_step_ok,
-    prepare_target,
-    row_invariant_attention,
-    to_stock_layers,
-    use_fused_steps,
-    weight_bytes,
-)
 
-__all__ = ["BLOCK", "FMT_ID", "FORMATS", "ISA_PATHS", "QUANTIZE_CHOICES", "QLinear", "WeightFormat", "argmax",
+__all__ = ["BLOCK", "FMT_ID", "FORMATS", "QUANTIZE_CHOICES", "QLinear", "WeightFormat", "argmax",
            "check_shape", "cpu_name", "exact_linear", "fused_step_ok", "isa",
            "isa_paths", "kernel_available", "kernel_status", "pack_codes", "pack_scales",
            "parse_quantize", "prepare_target", "project", "quantize_int4", "quantize_int8",

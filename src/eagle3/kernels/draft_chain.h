@@ -8,7 +8,7 @@
 //   a = [input_layernorm(emb) | hidden_norm(g)]  (T, 2H); residual = g (or hidden_norm(g))
 //   h = decoder_layer(residual, attn_in = a)     (RoPE at the row's position, causal)
 //   logits = lm_head(norm(h)); draft = argmax; target id = draft + d2t[draft]
-// What it saves is the ~25 Python-level ops of each step (~0.3 ms on a 2-core EPYC) and the LM
+// What it saves is the ~25 Python-level ops of each step (docs/weight-formats.md) and the LM
 // head over catch-up rows whose logits nobody reads (rows are independent: the last row's
 // logits are the bits a forward over all of them gives that row).
 

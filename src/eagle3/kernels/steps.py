@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..errors import Eagle3Error
 from .build import kernel_available
-from .formats import QLinear, WeightFormat, quantize_model
+from .weight_formats import QLinear, WeightFormat, quantize_model
 
 
 def fused_step_ok(*ts: torch.Tensor) -> bool:

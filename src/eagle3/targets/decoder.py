@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import StaticKVCache, slots_upto
 from ..kernels import FMT_ID, QLinear, fused_step_ok, project
+from .cache import StaticKVCache, slots_upto
 from .config import DecoderConfig, RopeConfig, rope_inv_freq
 from .protocol import TapLayers
 
@@ -312,8 +312,8 @@ def one_op_ok(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch
 
 def embedding(vocab: int, hidden: int) -> nn.Embedding:
     """`nn.Embedding(vocab, hidden)`; on the meta device (a model about to be loaded) without
-    its random normal init, whose first call in a process costs ~1 s of PyTorch's lazy imports
-    for nothing."""
+    its random normal init, whose first call in a process pays PyTorch's lazy imports for
+    nothing."""
     if torch.get_default_device().type == "meta":
         return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
     return nn.Embedding(vocab, hidden)
@@ -513,7 +513,7 @@ class NativeTarget(TapLayers, nn.Module):
             h = self.model.norm(h)
             taps.append(h)
             # contiguous: a strided (B, 1, H) view made the projection a batched matmul
-            # against B copies of the output matrix (0.5 s for B = 8)
+            # against B copies of the output matrix (docs/training.md)
             h = h[:, -1:].contiguous() if last_only else h
         else:
             h = self.model.norm(h[:, -1:] if last_only else h)

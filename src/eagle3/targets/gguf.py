@@ -71,8 +71,8 @@ LONG_ARRAY = 1024  # arrays longer than this are stepped over, not split into pa
 
 def _reader(path: str):
     """A `gguf.GGUFReader` of `path` that steps over long arrays (a vocabulary, its merges,
-    scores and token types) instead of building a numpy view per element, which took ~3.5 of a
-    ~5 s load of SmolLM2: such a field's parts are its key, type, element type and length only,
+    scores and token types) instead of building a numpy view per element, which took most of a
+    load of SmolLM2 (docs/targets.md): such a field's parts are its key, type, element type and length only,
     so its `contents()` is [] and `parts[4]` its length (as for any array field). Every other
     field and the tensors are the library's own parsing. Only what this module reads of a file
     matters here: the vocabulary goes to transformers' GGUF loader (`gguf_tokenizer_dir`)."""

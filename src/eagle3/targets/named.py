@@ -58,7 +58,7 @@ def _assembled_path(model: NamedModel) -> Path:
     return root / model.file
 
 
-DEFAULT_TARGET = "smollm2-135m-instruct"  # what "default" names (`eagle3.default`)
+DEFAULT_TARGET = "smollm2-135m-instruct"  # what "default" names (`eagle3.targets.default`)
 
 
 def default_target_dir() -> str:

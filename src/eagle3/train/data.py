@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..allocator import steady_allocator
 from ..errors import Eagle3Error, notice
 from ..files import atomic_write
+from .allocator import steady_allocator
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs")
 

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..allocator import steady_allocator
 from ..draft import attach_head
 from ..draft.formats import native_format, save_head
 from ..draft.model import DraftConfig, Eagle3Draft
@@ -36,7 +35,8 @@ from ..errors import Eagle3Error, notice
 from ..files import atomic_dir, atomic_write, check_writable, fsync_file, write_error
 from ..targets import load_target
 from ..targets.config import RopeConfig
-from ..tokenizer import load_tokenizer
+from ..targets.tokenizer import load_tokenizer
+from .allocator import steady_allocator
 from .data import Sample, cache_key, collate, read_prompts, regenerate
 from .simulate import chain_hits, simulated_tau
 from .ttt import ttt_loss

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from .errors import Eagle3Error
+from ..errors import Eagle3Error
 
 
 class Tokenizer:
@@ -136,8 +136,8 @@ def load_tokenizer(target: str) -> Tokenizer | None:
     """The tokenizer of `target`: a checkpoint directory's `tokenizer.json`, a GGUF file's
     vocabulary (a directory holding one, or a registered model name), 'default'; None when
     there is none."""
-    from .targets.gguf import find_gguf, gguf_tokenizer_dir
-    from .targets.named import resolve_target
+    from .gguf import find_gguf, gguf_tokenizer_dir
+    from .named import resolve_target
 
     if target == "default":
         from .default import default_target_dir

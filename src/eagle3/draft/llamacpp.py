@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import Eagle3Error
+from ..errors import Eagle3Error
 
 BUILD_HINT = "run `make llama.cpp` (scripts/build_llama_cpp.sh) first"
 
@@ -29,7 +29,7 @@ def root() -> Path:
     env = os.environ.get("EAGLE3_LLAMA_CPP")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "build" / "llama.cpp"
+    return Path(__file__).resolve().parents[3] / "build" / "llama.cpp"
 
 
 def sources() -> Path | None:
@@ -48,8 +48,8 @@ def binary(name: str) -> Path | None:
 
 def _target_dir(target: str, out: str) -> str:
     """An HF-style directory (config.json + tokenizer) describing `target` for the converter."""
-    from .targets import target_path
-    from .targets.gguf import gguf_tokenizer_dir, read_gguf
+    from ..targets import target_path
+    from ..targets.gguf import gguf_tokenizer_dir, read_gguf
 
     path, gguf_file = target_path(target)
     if gguf_file is None:
@@ -73,7 +73,7 @@ def _target_dir(target: str, out: str) -> str:
 def head_to_gguf(head: str, out: str, target: str, outtype: str = "f32") -> str:
     """Convert EAGLE-3 head directory `head` (any format) for target `target` into llama.cpp's
     GGUF at `out`, with llama.cpp's converter; written to a temporary file, then renamed."""
-    from .draft import convert_head
+    from . import convert_head
 
     src = sources()
     if src is None or not (src / "convert_hf_to_gguf.py").is_file():

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from .errors import Eagle3Error
+from ..errors import Eagle3Error
 
 HELP = "type a message; /reset starts over, /exit quits, Ctrl-C stops an answer"
 
@@ -24,7 +24,7 @@ class ChatSession:
 
     def __init__(self, spec: Any, *, system: str | None = None, max_new_tokens: int = 512,
                  temperature: float = 0.0, seed: int | None = None, out: TextIO = sys.stdout) -> None:
-        from .engine import Engine, EngineConfig
+        from ..engine import Engine, EngineConfig
 
         tok = spec.tokenizer
         if tok is None or not tok.has_chat_template():

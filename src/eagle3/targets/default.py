@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .targets.named import default_target_dir  # noqa: F401 (re-exported: the default's target)
+from .named import default_target_dir  # noqa: F401 (re-exported: the default's target)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 REPO_MODELS = REPO_ROOT / "models" / "default"
 TOY_MODELS = REPO_ROOT / "models" / "toy"
 
@@ -49,8 +49,8 @@ def build_random_checkpoint(out: str, config: dict | None = None, seed: int = 0)
     """Write a seeded random Llama checkpoint (+ byte-level tokenizer) to `out`."""
     from safetensors.torch import save_file
 
-    from .targets.config import parse_decoder_config
-    from .targets.decoder import NativeTarget
+    from .config import parse_decoder_config
+    from .decoder import NativeTarget
 
     cfg = dict(config or RANDOM_CONFIG)
     os.makedirs(out, exist_ok=True)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kernels import argmax
+from ..kernels import argmax
 
 CONTRACT_METHODS = ("prefill", "target_verify", "draft_decode", "decode")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import Eagle3Error
-from .kernels import row_invariant_attention
+from ..errors import Eagle3Error
+from ..kernels import row_invariant_attention
 
 _SLOTS: dict[torch.device, torch.Tensor] = {}
 

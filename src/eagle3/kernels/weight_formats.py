@@ -17,8 +17,8 @@ of x is computed independently of how many rows share the call, so `target_verif
 K+1 rows gives each row the bits a 1-row `decode` gives, and each weight block is read once
 per call whatever the number of rows (weight-stationary).
 
-The kernels are a C++ extension built on first use for any x86-64 CPU (about 20 s, cached by
-`torch.utils.cpp_extension` under ~/.cache/torch_extensions). At run time they take the best
+The kernels are a C++ extension built on first use for any x86-64 CPU (under a minute, cached
+by `torch.utils.cpp_extension` under ~/.cache/torch_extensions). At run time they take the best
 instruction-set path the CPU has: ``avx512`` (AVX-512 VNNI), ``avxvnni`` (AVX2 with 256-bit
 VNNI: Alder Lake and later client CPUs), ``avx2`` (AVX2 + FMA + F16C) or ``scalar``; every path
 gives the same bits. `EAGLE3_ISA=scalar|avx2|avxvnni|avx512` forces one

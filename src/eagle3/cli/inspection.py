@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import Eagle3Error
-from .targets.checkpoint import weight_files
-from .targets.config import parse_decoder_config, read_config_json
-from .targets.families import FAMILIES
-from .targets.protocol import default_taps
+from ..errors import Eagle3Error
+from ..targets.checkpoint import weight_files
+from ..targets.config import parse_decoder_config, read_config_json
+from ..targets.families import FAMILIES
+from ..targets.protocol import default_taps
 
 # Other spellings of the sizes in configs the native targets do not cover (GPT-2, T5-style, ...).
 ALIASES = {
@@ -70,7 +70,7 @@ def _check_headers(files: list[str]) -> None:
 
 def inspect_head(path: str, raw: dict) -> dict[str, Any]:
     """Describe an EAGLE-3 head (reads its tensors for the embedding and d2t checks)."""
-    from .draft.formats import read_head, validate_head
+    from ..draft.formats import read_head, validate_head
 
     fmt, cfg, state = read_head(path)
     validate_head(cfg, state, path)
@@ -113,7 +113,7 @@ def inspect_gguf(path: str) -> dict[str, Any]:
     """Describe a GGUF target (metadata only: no tensor is dequantized)."""
     from collections import Counter
 
-    from .targets.gguf import read_gguf
+    from ..targets.gguf import read_gguf
 
     ckpt = read_gguf(path)
     meta = ckpt.metadata
@@ -135,16 +135,16 @@ def inspect_path(path: str) -> dict[str, Any]:
     registered model name); a target's also names the kernel path this CPU runs it on."""
     info = _inspect_path(path)
     if info.get("kind") == "target":
-        from .kernels import isa
+        from ..kernels import isa
 
         info["kernel_isa"] = isa()
     return info
 
 
 def _inspect_path(path: str) -> dict[str, Any]:
-    from .draft.formats import detect_format
-    from .targets.gguf import find_gguf
-    from .targets.named import resolve_target
+    from ..draft.formats import detect_format
+    from ..targets.gguf import find_gguf
+    from ..targets.named import resolve_target
 
     path = resolve_target(path)
     gguf_file = find_gguf(path)
