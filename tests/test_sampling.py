@@ -75,6 +75,26 @@ def test_check_sampling():
             check_sampling(*args)
 
 
+def test_a_draw_follows_its_weights_and_never_takes_a_zero():
+    """`Sampler.sample` (inverse CDF): rows of weights (normalised or not, zeros at either end
+    and inside) drawn 60,000 times each: every zero-weight id never, the rest within 4 standard
+    deviations of their probability; a lone positive weight is always drawn."""
+    sampler = Sampler(SamplingParams(1.0, seed=5))
+    w = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0, 0.0, 3.0, 1.0, 0.0, 4.0]])  # (2, 6)
+    n = 60_000
+    ids = sampler.sample(w[:, None, :].expand(2, n, 6))  # (2, n)
+    assert ids.shape == (2, n)
+    for row, got in zip(w, ids, strict=True):
+        p = row / row.sum()
+        freq = torch.bincount(got, minlength=6).double() / n
+        assert (freq[p == 0] == 0).all(), freq
+        sd = (p * (1 - p) / n).sqrt()
+        assert ((freq - p).abs() <= 4 * sd + 1e-12).all(), (freq, p)
+    for one in ([0.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 7.0]):
+        t = torch.tensor(one)
+        assert sampler.sample(t[None].expand(500, -1)).eq(int(t.argmax())).all()
+
+
 # -- the rules ------------------------------------------------------------------------------------
 
 def _rule_setup(V=6, k=3, seed=0):

@@ -86,9 +86,20 @@ class Sampler:
         return scores.softmax(-1)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """One draw per row of probs (..., V) -> ids (...)."""
+        """One draw per row of probs (..., V), non-negative weights (normalised or not) -> ids (...).
+
+        Inverse CDF in float64: one uniform u per row, the first id whose cumulative weight
+        exceeds u x the total. An id of weight 0 adds nothing to the cumulative sum, so it is
+        never the first to exceed it; the one case rounding could leave (u x total rounding up
+        to the total) takes the last id of positive weight. `torch.multinomial` draws the same
+        distribution at ~20x the cost over a 49,152-token vocabulary (docs/decoding.md)."""
         flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+        cdf = flat.double().cumsum(-1)  # (R, V)
+        total = cdf[:, -1:].contiguous()
+        u = torch.rand(flat.shape[0], 1, generator=self.generator, dtype=torch.float64, device=flat.device)
+        ids = torch.searchsorted(cdf, u * total, right=True)  # first i with cdf[i] > u * total
+        last = torch.searchsorted(cdf, total)  # the last id of positive weight
+        return torch.minimum(ids, last).view(probs.shape[:-1])
 
     def uniform(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.rand(n, generator=self.generator, device=device)
