@@ -128,7 +128,7 @@ class HybridProposer(SuffixProposer):
 
     def propose(self, runner: Any, rows: list[SequenceState], plan: Plan,
                 counts: list[int]) -> list[Proposal]:
-        head = PROPOSERS["eagle"].propose(runner, rows, plan, counts)
+        head = HEAD.propose(runner, rows, plan, counts)
         drafted = [0] * len(rows)
         for p in head:
             for g, b in enumerate(p.rows):
@@ -145,8 +145,9 @@ def register(proposer: Proposer) -> Proposer:
     return proposer
 
 
-for _p in (HeadProposer(), SuffixProposer(), HybridProposer()):
-    register(_p)
+HEAD = register(HeadProposer())  # also the drafter of hybrid rows and of rows built without a proposer
+register(SuffixProposer())
+register(HybridProposer())
 
 
 def propose_round(runner: Any, seqs: list[SequenceState], plans: list[Plan],
@@ -156,7 +157,7 @@ def propose_round(runner: Any, seqs: list[SequenceState], plans: list[Plan],
     so a row's proposal never depends on the batch it shares."""
     groups: dict[tuple[Proposer, Plan, int], list[int]] = {}
     for b, (s, p, n) in enumerate(zip(seqs, plans, grants, strict=True)):
-        proposer = s.proposer or (PROPOSERS["eagle"] if s.drafts else None)
+        proposer = s.proposer or (HEAD if s.drafts else None)
         if proposer is not None:
             key = (p, min(p.tree.depth, n) if p.tree else 0) if n else (Plan(), 0)
             groups.setdefault((proposer, *key), []).append(b)
