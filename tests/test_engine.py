@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ from eagle3.decoding.round import Plan, run_round
 from eagle3.draft import attach_head
 from eagle3.engine import Engine, EngineConfig, EngineError, RequestState
 from eagle3.engine.paged import PagePool, gather_rows
+from eagle3.kernels import WeightFormat
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
+from eagle3.targets.prepare import prepare_loaded
 from heads import random_head, save_context_target, scripted_head
 
 V = 160
@@ -54,10 +57,20 @@ def spec_for(path: str, mode: str, max_seq_len: int | None = None, ps: list[list
     key = (path, mode, max_seq_len, tuple(map(tuple, ps)), n)
     if key not in _SPECS:
         t = load_target(path, max_seq_len=max_seq_len)
+        # The row-invariant kernels, as eagle3.load runs a float32 target: a verify row equals a
+        # decode row bit for bit, so speculative == plain holds at near-ties too (stock PyTorch
+        # layers differ in the last bits between a 5-row and a 1-row forward: a greedy step
+        # whose margin is 1e-6 can flip).
+        prepare_loaded(t, WeightFormat.parse("fp32"))
         head = random_head(t, seed=5) if mode == "random" else scripted_head(t, list(ps), n, mode)
         attach_head(head, t, taps=(1, 2, 3))
         _SPECS[key] = Eagle3Speculator(t, head)
     return _SPECS[key]
+
+
+def stable_seed(*parts) -> int:
+    """A seed from a test's parameters, the same in every process (`hash` of a str is not)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def prompts(n: int, seed: int, low: int = 1, high: int = 30) -> list[list[int]]:
@@ -82,7 +95,7 @@ def run_all(engine: Engine, requests: list[tuple[list[int], int]], **kw) -> list
 @pytest.mark.parametrize("mode", ["full", "partial", "zero", "mixed", "random"])
 @pytest.mark.parametrize("k", [1, 3, None])
 def test_batched_speculation_equals_single_request_greedy(ctx, random_target, mode, k):
-    ps = prompts(10, seed=hash((mode, k)) % 1000)
+    ps = prompts(10, seed=stable_seed(mode, k) % 1000)
     lens = [5 + 7 * i % 40 for i in range(len(ps))]
     spec = spec_for(random_target if mode == "random" else ctx, mode, ps=ps, n=max(lens))
     engine = Engine(spec, EngineConfig(max_batch=4, num_draft_tokens=k))
@@ -499,7 +512,7 @@ def engine_config(mode: dict, max_batch: int = 4) -> EngineConfig:
 def test_engine_equals_generate_greedy_and_sampled(ctx, random_target, head, mode):
     """The same request through the engine (batched with others) and through generate: the same
     tokens and the same speculation counts, greedy and seeded sampling, to the cache's end."""
-    ps = prompts(6, seed=hash((head, str(mode))) % 997, low=2, high=14)
+    ps = prompts(6, seed=stable_seed(head, mode) % 997, low=2, high=14)
     spec = spec_for(random_target if head == "random" else ctx, head, max_seq_len=48, ps=ps, n=48)
     cases = [(p, 48 - len(p) if i % 3 == 0 else 5 + 4 * i,
               dict(temperature=0.8, top_p=0.9, seed=i) if i % 2 else {}) for i, p in enumerate(ps)]
