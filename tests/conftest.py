@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers
 
+from eagle3.decoding.sampling import Sampler, SamplingParams
+
 # Tiny models: one thread per test worker avoids oversubscribing the 2 cores (pytest -n 2).
 torch.set_num_threads(1)
 
@@ -109,6 +111,56 @@ ALLOWED_SKIPS = ("no CUDA device",                      # tests/test_device.py
                  "vLLM's CPU build is not",              # an optional peer (recipes/vllm/setup.sh)
                  "llama.cpp tools not built",            # an optional peer (make llama.cpp)
                  "the kernels are written for x86-64")   # another CPU architecture
+
+
+def nucleus_by_sort(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's kept tokens (..., V) by the rule written out, with a full sort and integer sums:
+    each probability (torch's softmax of `scores`) counted in whole 2^-40ths; a token is
+    dropped when the tokens no more likely than it (ties included) hold <= (1 - top_p) x 2^40
+    of them, except the most likely tokens, which always stay (docs/decoding.md, "Top-k and
+    top-p")."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    keep = torch.zeros(flat.shape, dtype=torch.bool)
+    for r, row in enumerate(flat.softmax(-1)):
+        mass = (row.double() * 2.0 ** 40).round().long()  # exact: a power-of-two scaling
+        values, inverse, counts = torch.unique(mass, sorted=True, return_inverse=True, return_counts=True)
+        no_larger = (values * counts).cumsum(0)  # int64: the mass of each value and every smaller one
+        kept = no_larger.double() > (1.0 - top_p) * 2.0 ** 40
+        kept[-1] = True
+        keep[r] = kept[inverse]
+    return keep.view(scores.shape)
+
+
+def clear_of_the_cut(scores: torch.Tensor, top_p: float, margin: float = 1e-6) -> bool:
+    """Whether rounding cannot move top-p's cut in `scores` (V,): no tail sum (float64 over the
+    ascending probabilities) within `margin` of 1 - top_p, and no tie spanning the cut."""
+    p = scores.softmax(-1).double().sort().values
+    tail = p.cumsum(0)
+    if ((tail - (1.0 - top_p)).abs() < margin).any():
+        return False
+    dropped = int((tail <= 1.0 - top_p).sum())
+    return not (0 < dropped < len(p) and p[dropped - 1] == p[dropped])
+
+
+def assert_probs_match_transformers(logits: torch.Tensor, temperature: float, top_k: int,
+                                    top_p: float) -> int:
+    """`Sampler.probs` equals transformers' warpers (temperature, top-k, top-p) followed by a
+    softmax, bit for bit, on each row (..., V) whose top-p cut rounding cannot move; returns
+    how many rows were compared."""
+    V = logits.shape[-1]
+    ours = Sampler(SamplingParams(temperature, top_p, top_k)).probs(logits)
+    compared = 0
+    for row, got in zip(logits.reshape(-1, V), ours.reshape(-1, V), strict=True):
+        scores = transformers.TemperatureLogitsWarper(temperature)(None, row[None].clone())
+        if top_k:
+            scores = transformers.TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1.0 and not clear_of_the_cut(scores[0], top_p):
+            continue
+        if top_p < 1.0:
+            scores = transformers.TopPLogitsWarper(top_p)(None, scores)
+        assert torch.equal(got, scores[0].softmax(-1)), (temperature, top_k, top_p)
+        compared += 1
+    return compared
 
 
 def _disallowed_skip(report) -> str | None:

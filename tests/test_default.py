@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import eagle3
+from conftest import assert_probs_match_transformers, nucleus_by_sort
+from eagle3.decoding.sampling import nucleus
 from eagle3.targets.default import REPO_MODELS, default_head_dir, default_target_dir
 
 pytestmark = pytest.mark.slow
@@ -93,6 +95,26 @@ def test_default_head_is_lossless_and_accepts(spec):
     # A trained head: well above one token per target forward (a random one accepts ~nothing);
     # the shipped head measures tau ~1.9 at K=2 on held-out ShareGPT (docs/default-model.md).
     assert 1 + accepted / rounds > 1.3
+
+
+def test_top_p_on_the_real_models_logits(spec):
+    """Top-p on SmolLM2's own logits (every position of two chat prompts): the partial selection
+    keeps what the full sort keeps, and where rounding cannot move the cut the probabilities
+    are transformers' warpers' bit for bit."""
+    target = spec.target
+    compared = rows = 0
+    for msgs in MESSAGES:
+        ids = spec.tokenizer.apply_chat_template(msgs)
+        logits, _ = target.forward_logits_taps(torch.tensor([ids]), torch.arange(len(ids)),
+                                               target.new_cache(), with_taps=False)
+        logits = logits[0]  # (T, V)
+        for temperature, top_k, top_p in [(0.7, 0, 0.95), (1.0, 0, 0.9), (0.7, 40, 0.95), (1.0, 0, 0.5)]:
+            if not top_k:
+                scores = logits / temperature
+                assert torch.equal(nucleus(scores, top_p), nucleus_by_sort(scores, top_p))
+            compared += assert_probs_match_transformers(logits, temperature, top_k, top_p)
+            rows += len(logits)
+    assert compared >= 0.9 * rows
 
 
 def test_make_run_command():

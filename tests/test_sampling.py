@@ -14,10 +14,19 @@ import pytest
 import torch
 import transformers
 
-from conftest import make_hf_model
-from eagle3.decoding.sampling import Sampler, SamplingParams, check_sampling, speculative_accept, tree_accept
+from conftest import assert_probs_match_transformers, make_hf_model, nucleus_by_sort
+from eagle3.decoding.sampling import (
+    FIRST_CANDIDATES,
+    Sampler,
+    SamplingParams,
+    check_sampling,
+    nucleus,
+    speculative_accept,
+    tree_accept,
+)
 from eagle3.draft import attach_head
 from eagle3.errors import Eagle3Error
+from eagle3.kernels import top_p_cut
 from eagle3.speculator import Eagle3Speculator
 from eagle3.targets import load_target
 from heads import greedy_runs, random_head
@@ -61,6 +70,66 @@ def test_probs_match_transformers_warpers(temperature, top_k, top_p):
     if top_p < 1.0:
         scores = transformers.TopPLogitsWarper(top_p)(None, scores)
     torch.testing.assert_close(ours, scores.softmax(-1))
+
+
+def score_rows(V: int, seed: int) -> torch.Tensor:
+    """Rows of scores (R, V) from nearly flat to one token holding almost everything, rows of
+    many ties, all-equal rows, and rows already cut by top-k (-inf)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(V, generator=g) * s for s in (0.02, 0.5, 1.0, 3.0, 8.0, 30.0)]
+    rows += [(torch.randn(V, generator=g) * 3).round() / 2 for _ in range(3)]  # many ties
+    rows += [torch.zeros(V), torch.full((V,), 5.0)]
+    peak = torch.full((V,), -30.0)
+    peak[V // 2] = 0.0
+    cut = torch.randn(V, generator=g) * 2
+    cut[cut < cut.topk(min(5, V)).values[-1]] = float("-inf")
+    return torch.stack(rows + [peak, cut])
+
+
+@pytest.mark.parametrize("V", [7, 1000, 49152])
+def test_top_p_by_partial_selection_keeps_what_the_full_sort_keeps(V):
+    """`nucleus` (PyTorch: the most likely tokens only, 64, then more as needed) and the C++
+    op (`top_p_cut`: candidates above a fraction of the largest mass, a weighted selection
+    among them) keep exactly the tokens the rule written out with a full sort and integer sums
+    keeps (`nucleus_by_sort`), for every kind of row and top_p, batched or one row at a time;
+    the C++ op leaves the kept scores as they were."""
+    scores = score_rows(V, seed=V)
+    kept_counts = set()
+    for top_p in (0.05, 0.3, 0.6, 0.9, 0.95, 0.99, 0.999999):
+        want = nucleus_by_sort(scores, top_p)
+        got = nucleus(scores, top_p)
+        assert torch.equal(got, want), top_p
+        cut = scores.clone()
+        assert top_p_cut(cut, scores.softmax(-1), top_p)  # the kernels run on every x86-64
+        assert torch.equal(cut.isfinite(), want) and torch.equal(cut[want], scores[want]), top_p
+        assert torch.equal(nucleus(scores[:12].view(2, 6, V), top_p), want[:12].view(2, 6, V))
+        for row, w in zip(scores, want, strict=True):
+            assert torch.equal(nucleus(row, top_p), w)
+        kept_counts |= set(want.sum(-1).tolist())
+    if V > FIRST_CANDIDATES:  # both the first look and the wider ones were needed
+        assert min(kept_counts) < FIRST_CANDIDATES < max(kept_counts)
+
+
+def test_top_p_keeps_or_drops_a_tie_whole():
+    """Probabilities 0.4, 0.3, 0.3 at top_p 0.5: the two 0.3s hold 0.6 > 0.5, so both stay.
+    transformers' warper (a sort, then a float32 cumulative sum) drops whichever 0.3 its sort
+    put first: the one place where the kept sets differ by design, not by rounding."""
+    scores = torch.tensor([0.4, 0.3, 0.3]).log()
+    assert nucleus(scores, 0.5).tolist() == [True, True, True]
+    theirs = transformers.TopPLogitsWarper(0.5)(None, scores[None].clone())[0]
+    assert int(theirs.isfinite().sum()) == 2
+    # Below the tie's mass the pair goes together: 0.4 alone holds more than 1 - 0.35.
+    assert nucleus(scores, 0.35).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("V", [1000, 49152])
+def test_probs_match_transformers_warpers_on_random_rows(V):
+    """Away from the ties and rounding that can move a cut (at most a few rows here), the kept
+    set and its probabilities are transformers' exactly."""
+    logits = score_rows(V, seed=V + 1)[:6]
+    for temperature, top_k, top_p in [(0.7, 0, 0.95), (1.0, 0, 0.9), (0.7, 40, 0.95), (1.3, 0, 0.5),
+                                      (0.5, 5, 1.0)]:
+        assert assert_probs_match_transformers(logits, temperature, top_k, top_p) >= 5
 
 
 def test_check_sampling():

@@ -20,12 +20,14 @@ Randomness comes from one `torch.Generator` per generation: same seed, same outp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import Eagle3Error
+from ..kernels import top_p_cut
 
 MIN_TEMPERATURE = 1e-4  # below this, logits / T overflows float32 for typical logits
 
@@ -76,13 +78,8 @@ class Sampler:
             kth = scores.topk(p.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay
         if p.top_p < 1.0:
-            # Drop the least likely tokens whose total stays within 1 - top_p; the most
-            # likely token always survives.
-            sorted_scores, order = scores.sort(dim=-1)  # ascending
-            tail_mass = sorted_scores.softmax(-1).cumsum(-1)
-            drop = tail_mass <= 1.0 - p.top_p
-            drop[..., -1] = False
-            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+            if not top_p_cut(scores, scores.softmax(-1), p.top_p):  # in place, C++ where it runs
+                scores = scores.masked_fill(~nucleus(scores, p.top_p), float("-inf"))
         return scores.softmax(-1)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
@@ -103,6 +100,49 @@ class Sampler:
 
     def uniform(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.rand(n, generator=self.generator, device=device)
+
+
+# A probability as a whole number of 2^-40ths: a row's masses add up to about 2^40 (far below
+# float64's 2^53), so every sum of them below is exact, whatever its order.
+MASS_UNIT = 2.0 ** 40
+FIRST_CANDIDATES = 64  # top-p looks at this many most likely tokens first, more as needed
+
+
+def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Scores (..., V) (logits after temperature) -> the tokens top-p keeps (..., V), bool.
+
+    The rule (transformers' `TopPLogitsWarper`, made exact): a token is dropped when the total
+    probability (softmax of the scores) of the tokens no more likely than it is <= 1 - top_p;
+    the most likely tokens always survive. Each probability is rounded to a whole number of
+    2^-40ths (`MASS_UNIT`, exact in float32) and every sum is taken over those whole numbers,
+    which float64 adds exactly in any order; equally likely tokens are kept or dropped together
+    (the cut never splits a tie, where a sort's float32 cumulative sum keeps whichever of them
+    the sort put last).
+
+    Partial selection, equal to the full sort by construction: with the m highest-scoring
+    tokens' masses in descending order v_0 >= v_1 >= ..., the mass of the tokens no more
+    likely than v_r's is total - (v_0 + ... + v_{r-1}) (every larger mass is among the m), so
+    the first r where that is <= the budget, and the kept set {mass >= v_{r-1}}, are the full
+    sort's as soon as one of the m, or the next, is dropped; otherwise m grows (at m = V the
+    sort is complete).
+    """
+    shape, V = scores.shape, scores.shape[-1]
+    flat = scores.reshape(-1, V)  # (R, V)
+    mass = flat.softmax(-1).mul_(MASS_UNIT).round_()  # (R, V) whole numbers, exact in float32
+    total = mass.sum(-1, keepdim=True, dtype=torch.float64)  # (R, 1), exact
+    budget = math.floor((1.0 - top_p) * MASS_UNIT)
+    m = min(V, FIRST_CANDIDATES)
+    while True:
+        top = mass.gather(-1, flat.topk(m, dim=-1).indices).double()  # (R, m) descending
+        no_larger = total - (top.cumsum(-1) - top)  # (R, m): mass of the tokens <= v_r
+        dropped = no_larger <= budget
+        beyond = (total - top.sum(-1, keepdim=True) <= budget).squeeze(-1)  # v_m would be dropped
+        if m == V or bool((dropped.any(-1) | beyond).all()):
+            break
+        m = V if 16 * m >= V else 4 * m  # a wide nucleus: the full sort costs less than more tries
+    first = torch.where(dropped.any(-1), dropped.int().argmax(-1), m).clamp_min(1)  # (R,)
+    threshold = top.gather(-1, (first - 1)[:, None]).float()  # (R, 1): the least likely kept mass
+    return (mass >= threshold).view(shape)
 
 
 def mix_seed(seed: int) -> int:

@@ -16,6 +16,7 @@ from .steps import (
     prepare_target,
     row_invariant_attention,
     to_stock_layers,
+    top_p_cut,
     use_fused_steps,
     weight_bytes,
 )
@@ -46,5 +47,5 @@ __all__ = ["BLOCK", "FMT_ID", "FORMATS", "QUANTIZE_CHOICES", "QLinear", "WeightF
            "isa_paths", "kernel_available", "kernel_status", "pack_codes", "pack_scales",
            "parse_quantize", "prepare_target", "project", "quantize_int4", "quantize_int8",
            "quantize_model", "quantize_rows", "reference_linear", "row_invariant_attention",
-           "to_stock_layers", "unpack_codes", "unpack_scales", "use_fused_steps", "use_isa",
+           "to_stock_layers", "top_p_cut", "unpack_codes", "unpack_scales", "use_fused_steps", "use_isa",
            "weight_bytes"]

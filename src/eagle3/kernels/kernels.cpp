@@ -47,6 +47,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
+#include <utility>
+#include <vector>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -245,6 +248,152 @@ at::Tensor argmax(const at::Tensor& x) {
   const auto row = kernels().argmax_row;
   for (int64_t r = 0; r < rows; ++r) o[r] = row(p + r * n, n);
   return out;
+}
+
+// Top-p over float32 scores (..., n) and their softmax `probs`, in place: the tokens top-p
+// drops set to -inf. The rule and its arithmetic are `decoding.sampling.nucleus`'s: each
+// probability as a whole number of 2^-40ths (exact in float32; rounded half to even as
+// torch.round), sums of them in double (exact in any order: whole numbers below 2^53); a
+// token is dropped when the tokens no more likely than it hold <= floor((1 - top_p) 2^40),
+// ties together, the most likely always kept. Nothing is sorted: the candidates are the
+// tokens of at least a 1024th of the largest mass (then a 1024th of that, ...) once the rest
+// hold no more than the budget (so the rule drops every one of the rest), and a weighted
+// selection among them (`least_kept`) finds the cut.
+constexpr float MASS_UNIT = 1099511627776.0f;  // 2^40
+
+// A probability in whole 2^-40ths, four at a time (SSE2, every x86-64): x = p 2^40 is exact;
+// below 2^23, adding and taking away 2^23 rounds it half to even (IEEE addition), above it
+// is whole already.
+inline __m128 to_mass4(__m128 p) {
+  const __m128 x = _mm_mul_ps(p, _mm_set1_ps(MASS_UNIT)), big = _mm_set1_ps(8388608.f);
+  const __m128 low = _mm_cmplt_ps(x, big);
+  return _mm_or_ps(_mm_and_ps(low, _mm_sub_ps(_mm_add_ps(x, big), big)), _mm_andnot_ps(low, x));
+}
+
+// Sums of whole numbers below 2^53 are exact in double in any order: four independent sums of
+// two lanes each (a single chain would wait on each addition's latency).
+struct ExactSum {
+  __m128d a = _mm_setzero_pd(), b = _mm_setzero_pd(), c = _mm_setzero_pd(), d = _mm_setzero_pd();
+  void add8(__m128 m0, __m128 m1) {
+    a = _mm_add_pd(a, _mm_cvtps_pd(m0));
+    b = _mm_add_pd(b, _mm_cvtps_pd(_mm_movehl_ps(m0, m0)));
+    c = _mm_add_pd(c, _mm_cvtps_pd(m1));
+    d = _mm_add_pd(d, _mm_cvtps_pd(_mm_movehl_ps(m1, m1)));
+  }
+  double value() const {
+    double t[2];
+    _mm_storeu_pd(t, _mm_add_pd(_mm_add_pd(a, b), _mm_add_pd(c, d)));
+    return t[0] + t[1];
+  }
+};
+
+// The least likely kept mass among the candidates `a` (every larger mass of the row is one of
+// them): a mass is kept when the masses above it hold less than `need` = total - budget (the
+// tokens no more likely than it then hold more than the budget). The selection of quickselect,
+// weighted: partition around a pivot into larger, equal and smaller masses; the pivot is kept
+// when what is above it (known sums plus the larger part) is < need, and the answer then lies
+// among the smaller (or is the pivot); else among the larger. Exact sums: the same answer as
+// a full sort.
+float least_kept(std::vector<float>& a, double need) {
+  size_t lo = 0, hi = a.size();
+  double above = 0;  // the masses larger than every one in a[lo, hi)
+  float best = std::numeric_limits<float>::infinity();
+  while (lo < hi) {
+    const float pivot = a[lo + (hi - lo) / 2];
+    // a[lo, gt) > pivot, a[gt, eq) == pivot, a[eq, hi) < pivot
+    size_t gt = lo, eq = lo, k = hi;
+    while (eq < k) {
+      if (a[eq] > pivot) std::swap(a[gt++], a[eq++]);
+      else if (a[eq] < pivot) std::swap(a[eq], a[--k]);
+      else ++eq;
+    }
+    double larger = 0, equal = 0;
+    for (size_t i = lo; i < gt; ++i) larger += a[i];
+    for (size_t i = gt; i < eq; ++i) equal += a[i];
+    if (above + larger < need) {  // the pivot is kept: look for smaller kept masses
+      best = pivot;
+      above += larger + equal;
+      lo = eq;
+    } else {  // dropped: the least kept mass is larger
+      hi = gt;
+    }
+  }
+  return best;
+}
+
+// The least likely mass top-p keeps in one row p (n,); writes each token's mass.
+float top_p_threshold(const float* p, int64_t n, double budget, float* mass,
+                      std::vector<float>& cand) {
+  ExactSum sum;
+  __m128 most4 = _mm_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128 m0 = to_mass4(_mm_loadu_ps(p + i)), m1 = to_mass4(_mm_loadu_ps(p + i + 4));
+    _mm_storeu_ps(mass + i, m0);
+    _mm_storeu_ps(mass + i + 4, m1);
+    most4 = _mm_max_ps(most4, _mm_max_ps(m0, m1));
+    sum.add8(m0, m1);
+  }
+  float lanes[4];
+  _mm_storeu_ps(lanes, most4);
+  float most = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  double total = sum.value();
+  for (; i < n; ++i) {
+    mass[i] = _mm_cvtss_f32(to_mass4(_mm_set1_ps(p[i])));
+    total += mass[i];
+    most = mass[i] > most ? mass[i] : most;
+  }
+  float tau = most / 1024.f;
+  for (;; tau = tau >= 1024.f ? tau / 1024.f : 0.f) {
+    ExactSum held4;
+    const __m128 t4 = _mm_set1_ps(tau);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m128 m0 = _mm_loadu_ps(mass + j), m1 = _mm_loadu_ps(mass + j + 4);
+      held4.add8(_mm_and_ps(_mm_cmpge_ps(m0, t4), m0), _mm_and_ps(_mm_cmpge_ps(m1, t4), m1));
+    }
+    double held = held4.value();
+    for (; j < n; ++j) held += mass[j] >= tau ? mass[j] : 0.f;
+    if (total - held <= budget || tau == 0.f) break;  // the rest are all dropped (or none left)
+  }
+  cand.clear();
+  const __m128 t4 = _mm_set1_ps(tau);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    if (_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(mass + j), t4)))
+      for (int64_t l = j; l < j + 4; ++l)
+        if (mass[l] >= tau) cand.push_back(mass[l]);
+  for (; j < n; ++j)
+    if (mass[j] >= tau) cand.push_back(mass[j]);
+  if (cand.empty()) return std::numeric_limits<float>::infinity();  // NaN probabilities: keep none
+  return least_kept(cand, total - budget);
+}
+
+void top_p_(at::Tensor& scores, const at::Tensor& probs, double top_p) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && probs.scalar_type() == at::kFloat &&
+              scores.sizes() == probs.sizes() && scores.dim() >= 1 && scores.size(-1) > 0 &&
+              scores.is_contiguous() && top_p > 0 && top_p <= 1, "top_p_ takes contiguous float32 scores "
+              "and probs of one shape (..., n), n > 0, and 0 < top_p <= 1");
+  auto pc = probs.contiguous();
+  const int64_t n = scores.size(-1), rows = scores.numel() / n;
+  const double budget = std::floor((1.0 - top_p) * static_cast<double>(MASS_UNIT));
+  // Kept between calls: a fresh vocabulary-sized buffer is a fresh mapping, zeroed page by page.
+  thread_local std::vector<float> mass;
+  thread_local std::vector<float> cand;
+  if (static_cast<int64_t>(mass.size()) < n) mass.resize(n);
+  const float drop = -std::numeric_limits<float>::infinity();
+  // Subnormal probabilities (a peaked softmax has thousands) cost a microcode assist each;
+  // read as zero they give the same mass, 0 (p 2^40 < 2^-85 rounds to it either way).
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // DAZ | FTZ
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict s = scores.data_ptr<float>() + r * n;
+    const float* __restrict m = mass.data();
+    const float keep = top_p_threshold(pc.data_ptr<float>() + r * n, n, budget, mass.data(), cand);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] = m[j] >= keep ? s[j] : drop;
+  }
+  _mm_setcsr(csr);
 }
 
 // y = RMSNorm(x) row by row, x and y (M, H), w (H,).
@@ -463,6 +612,7 @@ TORCH_LIBRARY(eagle3, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("top_p_(Tensor(a!) scores, Tensor probs, float top_p) -> ()");
   m.def("wlinear(Tensor x, Tensor w, Tensor scale, Tensor offset, int fmt, int group, int N) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
   m.def("isa() -> str", &isa_name);
@@ -480,4 +630,5 @@ TORCH_LIBRARY_IMPL(eagle3, CPU, m) {
   m.impl("draft_chain", &draft_chain);
   m.impl("draft_tree", &draft_tree);
   m.impl("argmax", &argmax);
+  m.impl("top_p_", &top_p_);
 }

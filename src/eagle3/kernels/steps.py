@@ -33,6 +33,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def top_p_cut(scores: torch.Tensor, probs: torch.Tensor, top_p: float) -> bool:
+    """Set the tokens top-p drops to -inf in `scores` (contiguous, changed in place; `probs`
+    their softmax) by one C++ op (`eagle3::top_p_`, no sort of the vocabulary) where the kernels
+    run; False elsewhere, `scores` untouched (the caller then applies
+    `decoding.sampling.nucleus`: the same rule, the same tokens)."""
+    if fused_step_ok(scores, probs) and scores.dim() and scores.numel() and scores.is_contiguous():
+        torch.ops.eagle3.top_p_(scores, probs, top_p)
+        return True
+    return False
+
+
 def use_fused_steps(*models: nn.Module | None, on: bool = True) -> None:
     """Let the models' norms and SwiGLU MLPs (modules with a `fused` flag) run as one C++ op
     each. Set on the row-invariant path (`prepare_target`); stock models keep PyTorch's ops,
