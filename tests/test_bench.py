@@ -222,6 +222,9 @@ def test_bad_input_is_one_line_and_exit_2(dirs, tmp_path, capsys, monkeypatch):
         (["--peers", "assisted"], "needs --assistant"),
         (["--assistant", str(tmp_path)], "not a checkpoint directory"),
         (["--repeats", "0"], "--repeats"),
+        (["--top-p", "0.9"], "add --temperature"),
+        (["--temperature", "0.7", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--temperature", "0.7", "--top-k", "-1"], "top_k must be an integer"),
         (["--backend", "eager,executorch"], "needs --program"),
         (["--backend", "eager,native"], "--backend takes"),
         (["--backend", "gpu"], "--backend takes"),
@@ -288,7 +291,7 @@ def test_tree_and_sampled_rows(spec):
 
     shape = TreeShape(2, 4, 8)
     report = run_bench(spec, PROMPTS[:2], ks=[2], max_new_tokens=N, repeats=2, trees=[shape],
-                       temperature=1.0)
+                       temperature=1.0, top_p=0.9, top_k=20)
     tree_row = next(r for r in report["rows"] if r.get("tree"))
     assert tree_row["tree"] == shape.as_dict() and tree_row["outputs_identical"]
     # Independently: the same generations' stats, summed.
@@ -298,11 +301,11 @@ def test_tree_and_sampled_rows(spec):
     names = [(r["arm"], r["k"], r["tree"]) for r in report["sampled_rows"]]
     assert names == [("plain", None, None), ("eagle3", "auto", None), ("eagle3", None, shape.as_dict())]
     for r in report["sampled_rows"]:
-        assert r["outputs_identical"] is None and r["temperature"] == 1.0
+        assert r["outputs_identical"] is None and (r["temperature"], r["top_p"], r["top_k"]) == (1.0, 0.9, 20)
     assert report["sampled_rows"][0]["speedup"] == 1.0
     assert report["outputs_identical"]  # greedy rows only
     text = markdown(report)
-    assert "EAGLE-3 tree 2x4x8 |" in text and "EAGLE-3 tree 2x4x8, sampled T=1" in text
+    assert "EAGLE-3 tree 2x4x8 |" in text and "EAGLE-3 tree 2x4x8, sampled T=1 top-p 0.9 top-k 20 |" in text
     assert "n/a (sampled)" in text
 
 

@@ -251,7 +251,7 @@ class Eagle3Speculator:
         or plain decoding from the cost model (`calibrate()`, which `eagle3.load`
         runs) and the acceptance seen so far, again after 2, 4 and every 8 drafting rounds
         (plain rounds re-probe the head with K=1 every PROBE_EVERY rounds); when sampling, 'auto'
-        is K = SAMPLING_K (4), so that a seed's output does not depend on timings.
+        is K = SAMPLING_K (2), so that a seed's output does not depend on timings.
         `proposer`: who drafts (`decoding.suffix`): 'eagle' (the head), 'suffix' (continuations
         of earlier matches in the prompt and output: no head needed), 'hybrid' (both, merged
         in one verified tree); None: 'hybrid' for greedy requests with a head on a native runner,

@@ -73,7 +73,8 @@ def run_ab(args: argparse.Namespace, backend_names: list[tuple[str, str]], forma
         arms.update({name: vllm.arm(w) for name, w in workers.items()})
         report = run_bench(spec, prompts, ks=ks, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, peers=arms, auto=auto, trees=trees,
-                           temperature=args.temperature, progress=sys.stderr.isatty(),
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                           progress=sys.stderr.isatty(),
                            backends=backends, proposers=proposers)
     finally:
         vllm.close(workers)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..decoding.profile import Profile, profiling
+from ..decoding.sampling import SamplingParams
 from ..decoding.types import Plan
 from ..kernels import cpu_name, isa
 
@@ -40,18 +41,19 @@ Arm = Callable[[list[int]], Sample]
 
 
 def generate_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tree: Any = None,
-                 temperature: float = 0.0, proposer: str | None = None) -> Arm:
+                 sampling: SamplingParams | None = None, proposer: str | None = None) -> Arm:
     """An arm of eagle3's own: `spec.generate` (chain drafts of K = k, a `tree` shape, or plain
     when `spec` has no head; drafts by `proposer`, None: the default), profiled. Sampled arms
-    (temperature > 0) seed call n with n."""
+    (`sampling`: temperature > 0, top-p, top-k) seed call n with n."""
     calls = iter(range(1 << 62))
+    s = sampling or SamplingParams()
 
     def run(ids: list[int]) -> Sample:
         with profiling() as prof:
             t0 = time.perf_counter()
             r = spec.generate(ids, max_new_tokens, num_draft_tokens=k, tree=tree,
-                              temperature=temperature, seed=next(calls) if temperature else None,
-                              proposer=proposer)
+                              temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=None if s.greedy else next(calls), proposer=proposer)
             seconds = time.perf_counter() - t0
         return Sample(r.token_ids, seconds, r.stats, prof)
     return run
@@ -59,6 +61,12 @@ def generate_arm(spec: Any, max_new_tokens: int, k: int | str | None = None, tre
 
 def tree_name(shape: Any) -> str:
     return f"tree {shape.top_k}x{shape.depth}x{shape.total_tokens}"
+
+
+def sampling_name(s: SamplingParams) -> str:
+    """'T=0.7', with ' top-p 0.95' and ' top-k 40' where they are on."""
+    return (f"T={s.temperature:g}" + (f" top-p {s.top_p:g}" if s.top_p < 1.0 else "")
+            + (f" top-k {s.top_k}" if s.top_k else ""))
 
 
 def interleave(arms: dict[str, Arm], prompts: list[list[int]], repeats: int,
@@ -177,16 +185,17 @@ def cost_model(spec: Any) -> Any:
 
 def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tokens: int,
               repeats: int, peers: dict[str, Arm] | None = None, auto: bool = False,
-              trees: list[Any] = (), temperature: float = 0.0, progress: bool = False,
-              backends: dict[str, Any] | None = None,
+              trees: list[Any] = (), temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+              progress: bool = False, backends: dict[str, Any] | None = None,
               proposers: list[str | None] = (None,)) -> dict[str, Any]:
     """Plain decoding vs EAGLE-3 chain for each K and each tree shape (and `peers`),
     interleaved; returns the report.
 
     `auto` adds a row for num_draft_tokens='auto' (its `chosen_k`: the K it chose last).
-    `temperature` > 0 adds sampled rows (plain, chain K=auto, each tree) whose speedup is
-    against sampled plain decoding; their outputs differ from greedy's by design
-    (`outputs_identical` None), their losslessness is a distribution (tests/test_sampling.py).
+    `temperature` > 0 adds sampled rows (plain, chain K=auto, each tree; with `top_p` and
+    `top_k` where given) whose speedup is against sampled plain decoding; their outputs differ
+    from greedy's by design (`outputs_identical` None), their losslessness is a distribution
+    (tests/test_sampling.py).
     `backends` {name: speculator} adds, for each further backend (an exported program),
     its own plain and chain rows (trees and sampling where the backend has them), all
     interleaved in the same run; rows carry `backend`, `speedup` is against the first
@@ -207,9 +216,9 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     names = list(backends)
     multi = len(names) > 1
     chosen = [k for k in ks] + (["auto"] if auto else [])
-    arms = _BenchArms(multi, max_new_tokens)
+    arms = _BenchArms(multi, max_new_tokens, SamplingParams(temperature, top_p, top_k))
     for b, bspec in backends.items():
-        arms.add_backend(b, bspec, chosen, trees, temperature, proposers)
+        arms.add_backend(b, bspec, chosen, trees, proposers)
     arms.arms.update(peers or {})
     # Calibrated before any timing: the automatic rows need it, and it must not land in a row.
     models = {b: cost_model(bspec) for b, bspec in backends.items() if bspec.draft is not None}
@@ -219,7 +228,7 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
     base = rows[0]["tokens_per_s"]
     costs = {b: {**m.cost_ratios(), **m.as_dict()} for b, m in models.items()}
     _add_comparisons(rows, models, names[0], multi)
-    sampled_rows = _sampled_rows(arms, samples, temperature)
+    sampled_rows = _sampled_rows(arms, samples)
     peer_rows = {name: summarize(samples[name], plain) for name in peers or {}}
     for row in peer_rows.values():
         row["speedup"] = row["tokens_per_s"] / base
@@ -231,6 +240,7 @@ def run_bench(spec: Any, prompts: list[list[int]], *, ks: list[int], max_new_tok
                      "num_draft_tokens": chosen if spec.draft is not None else [],
                      "backends": names,
                      "trees": [t.as_dict() for t in trees], "temperature": temperature,
+                     "top_p": top_p, "top_k": top_k,
                      "prompt_tokens": [len(p) for p in prompts], "torch_threads": torch.get_num_threads(),
                      "kernel_isa": isa(), "cpu": cpu_name()},
     })
@@ -241,8 +251,8 @@ class _BenchArms:
     """The arms of a run, in the order they take turns, and the rows they become: `greedy`
     (backend, arm name, k, tree, proposer) and `sampled` (backend, arm name, k, tree)."""
 
-    def __init__(self, multi: bool, max_new_tokens: int) -> None:
-        self.multi, self.max_new_tokens = multi, max_new_tokens
+    def __init__(self, multi: bool, max_new_tokens: int, sampling: SamplingParams) -> None:
+        self.multi, self.max_new_tokens, self.sampling = multi, max_new_tokens, sampling
         self.arms: dict[str, Arm] = {}
         self.greedy: list[tuple[str, str, Any, Any, str | None]] = []
         self.sampled: list[tuple[str, str, Any, Any]] = []
@@ -251,7 +261,7 @@ class _BenchArms:
         """An arm's name: prefixed by its backend when there are several."""
         return f"{backend} {arm}" if self.multi else arm
 
-    def add_backend(self, b: str, bspec: Any, chosen: list[Any], trees: list[Any], temperature: float,
+    def add_backend(self, b: str, bspec: Any, chosen: list[Any], trees: list[Any],
                     proposers: list[str | None]) -> None:
         """Backend `b`'s arms: plain, then each proposer's chains and trees, then the sampled ones."""
         plain_spec = bspec.plain()  # like for like: the same backend (compiled steps, a program)
@@ -259,8 +269,8 @@ class _BenchArms:
         exported = getattr(bspec, "program_dir", None) is not None  # greedy chains only
         for pr in proposers if not exported else (None,):
             self._add_proposer(b, bspec, pr, chosen, trees if not exported else (), exported)
-        if temperature > 0 and not exported:
-            self._add_sampled(b, bspec, plain_spec, trees, temperature)
+        if not self.sampling.greedy and not exported:
+            self._add_sampled(b, bspec, plain_spec, trees)
 
     def _greedy(self, b: str, arm: str, run: Arm, k: Any, tree: Any, proposer: str | None) -> None:
         self.arms[self.label(b, arm)] = run
@@ -283,17 +293,18 @@ class _BenchArms:
         for t in trees:
             self._greedy(b, prefix + tree_name(t), generate_arm(bspec, n, tree=t, proposer=pr), None, t, pr)
 
-    def _add_sampled(self, b: str, bspec: Any, plain_spec: Any, trees: list[Any], temperature: float) -> None:
-        """Sampled plain decoding, then (with a head) chain K=auto and each tree, at `temperature`."""
-        name = self.label(b, f"sampled plain T={temperature:g}")
+    def _add_sampled(self, b: str, bspec: Any, plain_spec: Any, trees: list[Any]) -> None:
+        """Sampled plain decoding, then (with a head) chain K=auto and each tree, at `self.sampling`."""
+        how = sampling_name(self.sampling)
+        name = self.label(b, f"sampled plain {how}")
         self.sampled.append((b, name, None, None))
-        self.arms[name] = generate_arm(plain_spec, self.max_new_tokens, temperature=temperature)
+        self.arms[name] = generate_arm(plain_spec, self.max_new_tokens, sampling=self.sampling)
         if bspec.draft is None:
             return
         for k, t in [("auto", None)] + [(None, t) for t in trees]:
-            name = self.label(b, f"sampled {'K=auto' if t is None else tree_name(t)} T={temperature:g}")
+            name = self.label(b, f"sampled {'K=auto' if t is None else tree_name(t)} {how}")
             self.sampled.append((b, name, k, t))
-            self.arms[name] = generate_arm(bspec, self.max_new_tokens, k, t, temperature)
+            self.arms[name] = generate_arm(bspec, self.max_new_tokens, k, t, self.sampling)
 
 
 def _greedy_rows(arms: _BenchArms, samples: dict[str, list[list[Sample]]], first: str) -> list[dict]:
@@ -339,14 +350,16 @@ def _add_comparisons(rows: list[dict], models: dict[str, Any], first: str, multi
                                     if isinstance(row["k"], int) and model else None)
 
 
-def _sampled_rows(arms: _BenchArms, samples: dict[str, list[list[Sample]]], temperature: float) -> list[dict]:
+def _sampled_rows(arms: _BenchArms, samples: dict[str, list[list[Sample]]]) -> list[dict]:
     """A row per sampled arm; speedups against the latest sampled plain decoding (its backend's)."""
     sampled_rows = []
+    s = arms.sampling
     for b, name, k, t in arms.sampled:
-        first = name == arms.label(b, f"sampled plain T={temperature:g}")
+        first = name == arms.label(b, f"sampled plain {sampling_name(s)}")
         sampled_rows.append({"arm": "plain" if first else "eagle3", "k": k,
                              "tree": t.as_dict() if t is not None else None,
-                             "temperature": temperature, **({"backend": b} if arms.multi else {}),
+                             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                             **({"backend": b} if arms.multi else {}),
                              **summarize(samples[name], None)})
         sampled_base = [r for r in sampled_rows if r["arm"] == "plain"][-1]["tokens_per_s"]
         sampled_rows[-1]["speedup"] = sampled_rows[-1]["tokens_per_s"] / sampled_base

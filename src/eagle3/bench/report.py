@@ -46,7 +46,10 @@ def _name(r: dict) -> str:
         name = "suffix (text alone, no head)"
     elif r.get("proposer") == "hybrid":
         name = name.replace("EAGLE-3", "hybrid EAGLE-3 + suffix")
-    name += f", sampled T={r['temperature']:g}" if r.get("temperature") else ""
+    if r.get("temperature"):
+        name += f", sampled T={r['temperature']:g}"
+        name += f" top-p {r['top_p']:g}" if r.get("top_p", 1.0) < 1.0 else ""
+        name += f" top-k {r['top_k']}" if r.get("top_k") else ""
     if r.get("backend"):  # several backends: which one, and the speedup against its own plain
         name = f"{r['backend']}: {name}"
         if r["arm"] != "plain" and r.get("speedup_vs_backend_plain") is not None:

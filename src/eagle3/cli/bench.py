@@ -69,6 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     b.add_argument("--temperature", type=float, default=0.0,
                    help="also measure sampling at this temperature: sampled plain, chain K=auto and "
                         "each tree, speedups against sampled plain (default 0: greedy rows only)")
+    b.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature: keep the most likely tokens holding this much probability "
+                        "(default 1: off; chat clients often send 0.9-0.95)")
+    b.add_argument("--top-k", type=int, default=0,
+                   help="with --temperature: keep the k most likely tokens (default 0: off)")
     b.add_argument("--compile", action="store_true",
                    help="run our engine's decode/verify/draft steps through torch.compile (compiles "
                         "each step shape once: minutes on a small CPU the first time, cached on disk)")
@@ -214,7 +219,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     proposers = parse_proposers(args.proposer)
     from ..decoding.sampling import check_sampling
 
-    check_sampling(args.temperature, 1.0, 0, None)
+    check_sampling(args.temperature, args.top_p, args.top_k, None)
+    if not args.temperature and (args.top_p < 1.0 or args.top_k):
+        raise Eagle3Error("--top-p and --top-k shape sampled rows: add --temperature (e.g. 0.7)")
     peer_names = parse_peers(args.peers, args.assistant, notes)
     if args.repeats < 1:
         raise Eagle3Error(f"--repeats must be >= 1, got {args.repeats}")

@@ -15,8 +15,9 @@ from .tree import TreeShape, parse_tree
 MAX_NUM_DRAFT_TOKENS = 32
 DEFAULT_PROPOSER = "hybrid"  # with a head on a runner that verifies trees (docs/suffix.md: never
 # below the head alone)
-SAMPLING_K = 4  # chain drafts for sampled requests under automatic K: a seed's output then
-# never depends on timings or on the batch a request shares
+SAMPLING_K = 2  # chain drafts for sampled requests under automatic K: a seed's output then
+# never depends on timings or on the batch a request shares. 2: the fastest K for sampled
+# chains of the default head (docs/decoding.md, "Top-k and top-p")
 
 
 @dataclass(frozen=True)
