@@ -249,7 +249,7 @@ def test_tree_accept_is_lossless():
 
 VOCAB = 8
 N_NEW = 6
-SPANS = [(0, 1), (2, 3), (4, 5)]
+SPANS = [(i, i + 1) for i in range(N_NEW - 1)]  # every adjacent pair
 DRAWS = 1500
 
 
@@ -395,21 +395,23 @@ def test_a_broken_text_rule_fails_the_same_check(repeating, monkeypatch):
     node's first child (the text's token) must fail the check above (p < 1e-6 on some span)."""
     from eagle3.decoding import accept
 
-    def keep_first_child(sampler, probs, tokens, parents):
-        path, node = [], 0
-        while True:
-            kids = [j for j, par in enumerate(parents, start=1) if par == node]
-            if not kids:
-                return path, int(sampler.sample(probs[node]))
-            path.append(kids[0])
-            node = kids[0]
-
-    monkeypatch.setattr(accept, "tree_accept", keep_first_child)
+    monkeypatch.setattr(accept, "tree_accept", _keep_first_child)
     target, _, prompt, exact = repeating
     spec = Eagle3Speculator(target)
     outputs = [tuple(spec.generate(prompt, N_NEW, temperature=SUFFIX_PARAMS.temperature, seed=seed,
                                    stop_token_ids=[], proposer="suffix").token_ids) for seed in range(DRAWS)]
     assert min(pair_p_values(outputs, exact).values()) < 1e-6
+
+
+def _keep_first_child(sampler, probs, tokens, parents):
+    """A broken tree rule: every node's first child accepted, never a rejection."""
+    path, node = [], 0
+    while True:
+        kids = [j for j, par in enumerate(parents, start=1) if par == node]
+        if not kids:
+            return path, int(sampler.sample(probs[node]))
+        path.append(kids[0])
+        node = kids[0]
 
 
 def _keep_the_rejected_draft(sampler, p, drafts, q=None):
@@ -437,6 +439,20 @@ def test_a_broken_sampler_fails_the_end_to_end_check(tiny, exact, bug, monkeypat
     monkeypatch.setattr(accept, "speculative_accept", bug)
     params = PARAMS[0]
     outputs, _ = draw(spec_for(tiny, "K=2"), [3, 7, 1], params, MODES["K=2"])
+    assert min(pair_p_values(outputs, exact[params]).values()) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tree", "hybrid_tree"])
+def test_a_broken_tree_rule_fails_the_end_to_end_check(tiny, exact, mode, monkeypatch):
+    """The negative control for the head's tree and for hybrid sampling (the head's tree with
+    the text's chains grafted on): the same draws and check with every first child accepted
+    must fail (p < 1e-6 on some span)."""
+    from eagle3.decoding import accept
+
+    monkeypatch.setattr(accept, "tree_accept", _keep_first_child)
+    params = PARAMS[0]
+    outputs, _ = draw(spec_for(tiny, mode), [3, 7, 1], params, MODES[mode])
     assert min(pair_p_values(outputs, exact[params]).values()) < 1e-6
 
 
