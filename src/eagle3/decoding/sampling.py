@@ -1,7 +1,8 @@
 """Sampling (temperature, top-k, top-p) and the rejection rules that keep speculation lossless.
 
 `Sampler.probs` turns logits into the distribution plain sampling draws from
-(temperature, then top-k, then top-p: transformers' order and semantics);
+(temperature, then top-k, then top-p: transformers' order and semantics, top-p's
+cut made exact: `nucleus`);
 every speculative path accepts or rejects against exactly these
 probabilities, so speculative sampling draws from the same distribution as
 plain sampling.
