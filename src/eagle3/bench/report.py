@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..decoding.sampling import SamplingParams
+from .harness import sampling_name
+
 PEER_NAMES = {"hf": "transformers greedy", "lookup": "transformers prompt lookup",
               "assisted": "transformers assisted"}
 COLUMNS = ("decoding", "tok/s", "speedup", "model", "tau", "accept", "from text", "accept per position %",
@@ -47,9 +50,8 @@ def _name(r: dict) -> str:
     elif r.get("proposer") == "hybrid":
         name = name.replace("EAGLE-3", "hybrid EAGLE-3 + suffix")
     if r.get("temperature"):
-        name += f", sampled T={r['temperature']:g}"
-        name += f" top-p {r['top_p']:g}" if r.get("top_p", 1.0) < 1.0 else ""
-        name += f" top-k {r['top_k']}" if r.get("top_k") else ""
+        name += ", sampled " + sampling_name(SamplingParams(r["temperature"], r.get("top_p", 1.0),
+                                                            r.get("top_k", 0)))
     if r.get("backend"):  # several backends: which one, and the speedup against its own plain
         name = f"{r['backend']}: {name}"
         if r["arm"] != "plain" and r.get("speedup_vs_backend_plain") is not None:
