@@ -119,12 +119,15 @@ def float_reference(q: QLinear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt,group", CASES)
-def test_every_path_computes_the_format_exactly(fmt, group, path):
+@pytest.mark.parametrize("rows", [7, 40])
+def test_every_path_computes_the_format_exactly(fmt, group, path, rows):
     """Packed formats: every instruction-set path equals the integer reference bit for bit
-    (and so each other); float formats: close to float64, and every path equal to scalar."""
+    (and so each other); float formats: close to float64, and every path equal to scalar.
+    40 rows: five full register chunks of 8 rows on the AVX-512 path, ten of 4 on the 256-bit
+    ones."""
     lin = linear(48, 192, bias=True)
     q = make_layer(fmt, lin, group)
-    x = torch.randn(7, 192, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(5))
     with use_isa(path):
         y = q(x)
     with use_isa("scalar"):
