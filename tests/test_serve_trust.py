@@ -64,8 +64,18 @@ def test_api_key(engine, spec):
             e = error_of(r, 401)
             assert e["type"] == "AuthenticationError" and e["code"] == "invalid_api_key", auth
             assert r.headers["www-authenticate"] == "Bearer"
-        error_of(requests.get(keyed.url + "/v1/models", timeout=10), 401)
-        error_of(requests.get(keyed.url + "/v1/nothing", timeout=10), 401)  # no route probing either
+        chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+        for auth in (None, "Bearer wrong", KEY):  # every route, the chat one and a model's included
+            for method, route, payload in (("GET", "/v1/models", None), ("GET", f"/v1/models/{NAME}", None),
+                                           ("POST", "/v1/chat/completions", chat),
+                                           ("GET", "/v1/nothing", None)):  # no route probing either
+                r = requests.request(method, keyed.url + route, json=payload, timeout=10,
+                                     headers={} if auth is None else {"Authorization": auth})
+                assert error_of(r, 401)["code"] == "invalid_api_key", (auth, route)
+        right = {"Authorization": f"Bearer {KEY}"}
+        assert requests.get(f"{keyed.url}/v1/models/{NAME}", headers=right, timeout=10).json()["id"] == NAME
+        r = requests.post(keyed.url + "/v1/chat/completions", json=chat, headers=right, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert requests.get(keyed.url + "/health", timeout=10).json() == {"status": "ok"}
         error_of(requests.get(keyed.url + "/metrics", timeout=10), 401)
         assert requests.get(open_metrics.url + "/metrics", timeout=10).status_code == 200
@@ -75,7 +85,7 @@ def test_api_key(engine, spec):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
         counts = refused(keyed.url, {"Authorization": f"Bearer {KEY}"})
-        assert counts["unauthorized"] >= 10, counts
+        assert counts["unauthorized"] >= 21, counts
     finally:
         keyed.close()
         open_metrics.close()
