@@ -207,6 +207,72 @@ def test_greedy_suffix_and_hybrid_equal_plain_decoding(models, oracle, name, pro
             assert s["suffix_rounds"] == 0
 
 
+def _parent_only(mask, depth, parents):
+    """A planted bug: a grafted node sees itself and its parent, not its parent's ancestors."""
+    N, M = mask.shape[0] - 1, len(parents)
+    out = torch.zeros(N + M + 1, N + M + 1, dtype=torch.bool)
+    out[:N + 1, :N + 1] = mask
+    dep = torch.cat([depth, depth.new_zeros(M)])
+    for i, p in enumerate(parents):
+        j = N + 1 + i
+        out[j, p] = out[j, j] = True
+        dep[j] = dep[p] + 1
+    return out, dep
+
+
+PLANTED = {
+    "never_merged": ("graft", lambda tokens, parents, chain: ([], [], 0)),  # text drafts dropped
+    "parent_only_mask": ("grow_mask", _parent_only),
+    "flat_depth": ("grow_mask", lambda mask, depth, parents: (lambda m, d: (m, d.clamp(max=1)))(
+        *grow_mask(mask, depth, parents))),  # grafted nodes all at depth 1: wrong positions
+}
+
+
+def hybrid_runs(target, oracle_runs, kw) -> tuple[int, int]:
+    """Greedy hybrid with a head whose first draft is always wrong ('zero'; a tree's other
+    children may be right): (runs equal to plain decoding, text tokens accepted)."""
+    head = scripted_head(target, PROMPTS, N_NEW, "zero")
+    attach_head(head, target)
+    spec = Eagle3Speculator(target, head)
+    same = text = 0
+    for p, want in zip(PROMPTS, oracle_runs, strict=True):
+        r = spec.generate(p, N_NEW, stop_token_ids=[], proposer="hybrid", **kw)
+        same += r.token_ids == want[len(p):]
+        text += r.stats["suffix_accepted_tokens"]
+    return same, text
+
+
+HYBRID_KW = [dict(num_draft_tokens=2), dict(tree=dict(top_k=2, depth=2, total_tokens=4))]
+
+
+@pytest.mark.parametrize("kw", HYBRID_KW, ids=["chain", "tree"])
+def test_greedy_hybrid_accepts_text_drafts_on_its_own(models, oracle, kw):
+    """Hybrid with a head that is always wrong must still accept the repeating outputs' text
+    drafts, grafted beside the head's nodes (a tree round), and stay plain decoding."""
+    same, text = hybrid_runs(models["llama"], oracle["llama"], kw)
+    assert same == len(PROMPTS)
+    assert text >= N_NEW, text
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_planted_graft_bug_fails_the_hybrid_checks(models, oracle, monkeypatch, bug):
+    """Negative controls: each planted bug in `graft` / `grow_mask` breaks what the test above
+    asserts (no text accepted, output other than plain decoding, or a failed generation)."""
+    import eagle3.decoding.graft as graft_module
+
+    name, fn = PLANTED[bug]
+    monkeypatch.setattr(graft_module, name, fn)
+    failed = 0
+    for kw in HYBRID_KW:
+        try:
+            same, text = hybrid_runs(models["llama"], oracle["llama"], kw)
+        except Eagle3Error:  # a loud failure is caught too (flat depths index past the tree)
+            failed += 1
+            continue
+        failed += same < len(PROMPTS) or text < N_NEW
+    assert failed, f"the planted bug {bug} went unnoticed"
+
+
 def test_a_repeating_output_accepts_long_suffix_runs(models, oracle):
     """Suffix drafts alone, no head: the repeating outputs must be drafted and accepted in long
     runs (plain decoding takes one target forward per token)."""
