@@ -1,11 +1,16 @@
 """Speculation checked against oracles that share nothing with the path under test.
 
-- transformers computes the context target's greedy continuation itself (its own modules,
+- transformers computes the context targets' greedy continuations itself (its own modules,
   no cache, no kernel of ours); eagle3's speculative chains, trees and engine batches on the
-  float32 target must produce exactly those tokens.
+  float32 targets must produce exactly those tokens, with drafts accepted.
 - The engine's batched verify (paged K/V, ragged rows, tree masks) must give every row the
   logits a lone 1-row decode of that row's prefix gives, bit for bit, in each weight format
-  (the row-invariant kernels promise it; a batch- or page-dependent row would break it).
+  (the row-invariant kernels promise it; a batch- or page-dependent row would break it). A
+  row's prefix is rebuilt from its proposal's parents (the tokens the proposer drafted), not
+  from the verify's mask, so a wrong ancestor set in the mask cannot reproduce itself.
+
+Both run on the Llama context target and on windowed ones (Mistral-style, Gemma 2 and Gemma 3
+with a window of 7), with prompts and outputs longer than the window.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ from heads import save_context_target, scripted_head
 N = 28
 
 
+WINDOWED = ("mistral", "gemma2", "gemma3")  # sliding window 7 (tests/conftest.py VARIANTS)
+
+
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory):
-    return save_context_target(str(tmp_path_factory.mktemp("oracles") / "ctx"))
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("oracles")
+    return {name: save_context_target(str(root / name), name) for name in ("llama", *WINDOWED)}
+
+
+def long_prompts(name: str, n: int, seed: int) -> list[list[int]]:
+    """Windowed targets get prompts longer than their window (7)."""
+    return prompts(n, seed=seed, low=9 if name in WINDOWED else 2)
 
 
 @torch.no_grad()
@@ -44,8 +58,10 @@ def transformers_greedy(path: str, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def test_speculation_equals_transformers_greedy(ctx):
-    ps = prompts(3, seed=1)
+@pytest.mark.parametrize("name", ["llama", *WINDOWED])
+def test_speculation_equals_transformers_greedy(targets, name):
+    ctx = targets[name]
+    ps = long_prompts(name, 3, seed=1)
     want = [transformers_greedy(ctx, p, N) for p in ps]
     spec = eagle3.load(ctx, "none", quantize="fp32")
     t = spec.target
@@ -62,6 +78,7 @@ def test_speculation_equals_transformers_greedy(ctx):
     reqs = [engine.submit(p, N, stop_token_ids=[]) for p in ps]
     engine.run_until_idle()
     assert [r.token_ids for r in reqs] == want
+    assert sum(r.seq.stats.accepted_tokens for r in reqs) > 0
 
 
 def one_row_logits(target, prompt: list[int], prefix: list[int]) -> torch.Tensor:
@@ -79,50 +96,68 @@ def one_row_logits(target, prompt: list[int], prefix: list[int]) -> torch.Tensor
     return logits[0, -1]
 
 
-def row_prefixes(full: list[int], start: int, tokens: torch.Tensor, layout, b: int) -> list[list[int]]:
-    """Each valid row's token sequence (the row's own token last), from the layout."""
-    count = tokens.shape[1] if layout.counts is None else layout.counts[b]
-    if layout.region is None:  # a chain: row t follows rows 0..t-1
-        return [full[:start] + tokens[b, :t + 1].tolist() for t in range(count)]
-    out = []
-    offsets = layout.offsets.tolist()
-    rope = layout.rope[b] if layout.rope is not None else layout.offsets
-    for t in range(count):  # a tree node: the rows its mask shows, in position order
-        seen = [j for j in range(count) if bool(layout.region[b, t, offsets[j]])]
-        out.append(full[:start] + [int(tokens[b, j]) for j in sorted(seen, key=lambda j: int(rope[j]))])
+def row_prefixes(full: list[int], start: int, anchor: int, proposal, g: int) -> list[list[int]]:
+    """Each verified row's token sequence (the row's own token last), from the proposal: row 0
+    is the anchor, row j >= 1 node j, whose ancestors its parents name (0 = the anchor)."""
+    if proposal is None:  # a row that did not draft verifies its anchor alone
+        return [full[:start] + [anchor]]
+    n = proposal.counts[g]
+    toks, pars = proposal.tokens[g, :n].tolist(), proposal.parents[g, :n].tolist()
+    out = [full[:start] + [anchor]]
+    for j in range(1, n + 1):
+        path = []
+        while j:
+            path.append(toks[j - 1])
+            j = pars[j - 1]
+        out.append(full[:start] + [anchor] + path[::-1])
     return out
 
 
-@pytest.mark.parametrize("quantize", ["fp32", "bf16", "int8", "int4"])
+CASES = [("llama", q) for q in ("fp32", "bf16", "int8", "int4")] + [(w, "int4") for w in WINDOWED]
+
+
+@pytest.mark.parametrize("name,quantize", CASES, ids=[f"{n}-{q}" for n, q in CASES])
 @pytest.mark.parametrize("plan", ["chain", "tree"])
-def test_engine_batched_verify_rows_equal_one_row_decodes(ctx, quantize, plan):
-    t = eagle3.load(ctx, "none", quantize=quantize).target
+def test_engine_batched_verify_rows_equal_one_row_decodes(targets, name, quantize, plan, monkeypatch):
+    import eagle3.decoding.round as round_module
+
+    t = eagle3.load(targets[name], "none", quantize=quantize).target
     assert t.exact
-    ps = prompts(4, seed=2)
+    ps = long_prompts(name, 4, seed=2)
     head = scripted_head(t, ps, 20, "mixed")
     attach_head(head, t)
     spec = Eagle3Speculator(t, head)
     config = (EngineConfig(max_batch=4, num_draft_tokens=3) if plan == "chain" else
               EngineConfig(max_batch=4, tree=dict(top_k=2, depth=3, total_tokens=6), auto_plan=False))
     engine = Engine(spec, config).start(background=False)
-    calls = []
+    proposed, calls = [], []
+    real_propose = round_module.propose_round
+
+    def propose(runner, seqs, *args):
+        out = real_propose(runner, seqs, *args)
+        proposed.append(out)
+        return out
+
+    monkeypatch.setattr(round_module, "propose_round", propose)
     real = engine.runner.target
 
     def target(seqs, tokens, layout, **kw):
         logits, feats = real(seqs, tokens, layout, **kw)
         if logits.shape[1] == tokens.shape[1] > 1:  # every row's logits: a verify
-            calls.append(([(s.prompt, s.prompt + s.out) for s in seqs], tokens.clone(), layout,
-                          logits.clone()))
+            by_row = {b: (p, g) for p in proposed[-1] for g, b in enumerate(p.rows)}
+            calls.append(([(s.prompt, s.prompt + s.out, s.target_len, s.anchor, *by_row.get(b, (None, 0)))
+                           for b, s in enumerate(seqs)], logits.clone()))
         return logits, feats
 
     engine.runner.target = target
     reqs = [engine.submit(p, 12 + 2 * i, stop_token_ids=[]) for i, p in enumerate(ps)]  # ragged
     engine.run_until_idle()
     assert all(r.token_ids for r in reqs)
+    assert sum(r.seq.stats.accepted_tokens for r in reqs) > 0  # drafts decided some rows
     rows = 0
-    for fulls, tokens, layout, logits in calls:
-        for b, (prompt, full) in enumerate(fulls):
-            for t_, prefix in enumerate(row_prefixes(full, layout.starts[b], tokens, layout, b)):
-                assert torch.equal(logits[b, t_], one_row_logits(t, prompt, prefix)), (quantize, plan, b, t_)
+    for fulls, logits in calls:
+        for b, (prompt, full, start, anchor, proposal, g) in enumerate(fulls):
+            for t_, prefix in enumerate(row_prefixes(full, start, anchor, proposal, g)):
+                assert torch.equal(logits[b, t_], one_row_logits(t, prompt, prefix)), (name, quantize, plan, b, t_)
                 rows += 1
     assert rows > 40 and len(calls) > 3 and any(len(f) > 1 for f, *_ in calls)
