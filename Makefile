@@ -31,7 +31,7 @@ lint: $(STAMP)
 
 # The whole suite, slow tests included; exit 5 (no tests collected) counts as failure.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 -q -rs tests
+	$(BIN)/python -m pytest -n 2 -q -rs --durations=25 tests
 
 fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests

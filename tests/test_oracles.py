@@ -158,6 +158,7 @@ def test_engine_batched_verify_rows_equal_one_row_decodes(targets, name, quantiz
     for fulls, logits in calls:
         for b, (prompt, full, start, anchor, proposal, g) in enumerate(fulls):
             for t_, prefix in enumerate(row_prefixes(full, start, anchor, proposal, g)):
-                assert torch.equal(logits[b, t_], one_row_logits(t, prompt, prefix)), (name, quantize, plan, b, t_)
+                want = one_row_logits(t, prompt, prefix)
+                assert torch.equal(logits[b, t_], want), (name, quantize, plan, b, t_)
                 rows += 1
     assert rows > 40 and len(calls) > 3 and any(len(f) > 1 for f, *_ in calls)
