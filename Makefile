@@ -30,8 +30,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests recipes
 
 # The whole suite, slow tests included; exit 5 (no tests collected) counts as failure.
+# --dist loadscope: a module's tests share a worker, so its module fixtures (ExecuTorch
+# lowerings, the real models, sampling enumerations) are built once, not once per worker.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 -q -rs --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --dist loadscope -q -rs --durations=25 tests
 
 fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests
