@@ -302,17 +302,17 @@ def pair_p_values(outputs: list[tuple], want: dict) -> dict:
     return out
 
 
-def draw(spec, prompt, params, mode: dict, n: int = DRAWS) -> tuple[list[tuple], int]:
-    """n seeded samples of N_NEW tokens after `prompt` (seeds 0..n-1) and the drafts accepted.
-    Chains and trees of the head's full vocabulary run as one engine batch of 32 rows: the
-    engine gives each seeded request generate's tokens (`tests/test_engine.py`
+def draw(spec, prompt, params, mode: str, n: int = DRAWS) -> tuple[list[tuple], int]:
+    """n seeded samples of N_NEW tokens after `prompt` (seeds 0..n-1) in MODES[mode], and the
+    drafts accepted. Chains and trees of the head's full vocabulary run as one engine batch of
+    32 rows: the engine gives each seeded request generate's tokens (`tests/test_engine.py`
     `test_engine_equals_generate_greedy_and_sampled`, sampled chains and trees; hybrid in
     `tests/test_suffix.py`), ~20x cheaper here than n sequential generates. Other modes
     (plain, a reduced draft vocabulary) call generate itself, so its draws stay tested directly."""
-    if ("k" in mode or "tree" in mode) and not mode.get("reduced"):
-        return draw_batched(spec, prompt, params, mode, n)
+    kw = MODES[mode]
+    if mode != "plain" and not mode.endswith("reduced_vocab"):
+        return draw_batched(spec, prompt, params, kw, n)
     outputs, accepted = [], 0
-    kw = {k: v for k, v in mode.items() if k != "reduced"}
     for seed in range(n):
         r = spec.generate(prompt, N_NEW, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, seed=seed, stop_token_ids=[], **kw)
@@ -321,12 +321,12 @@ def draw(spec, prompt, params, mode: dict, n: int = DRAWS) -> tuple[list[tuple],
     return outputs, accepted
 
 
-def draw_batched(spec, prompt, params, mode: dict, n: int) -> tuple[list[tuple], int]:
+def draw_batched(spec, prompt, params, kw: dict, n: int) -> tuple[list[tuple], int]:
     from eagle3.engine import Engine, EngineConfig
 
-    shape = (dict(tree=mode["tree"], auto_plan=False) if "tree" in mode else
-             dict(num_draft_tokens=mode["k"]))
-    engine = Engine(spec, EngineConfig(max_batch=32, max_queue=n, proposer=mode.get("proposer"),
+    shape = (dict(tree=kw["tree"], auto_plan=False) if "tree" in kw else
+             dict(num_draft_tokens=kw["num_draft_tokens"]))
+    engine = Engine(spec, EngineConfig(max_batch=32, max_queue=n, proposer=kw.get("proposer"),
                                        **shape)).start(background=False)
     reqs = [engine.submit(prompt, N_NEW, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, seed=seed, stop_token_ids=[]) for seed in range(n)]
@@ -337,22 +337,12 @@ def draw_batched(spec, prompt, params, mode: dict, n: int) -> tuple[list[tuple],
 
 
 TREE = dict(tree=dict(top_k=3, depth=3, total_tokens=8))
-# A mode: generate's keywords, or for `draw`'s engine batch `k` / `tree` (and `proposer`).
-MODES = {"plain": dict(), "K=1": dict(k=1), "K=2": dict(k=2), "K=4": dict(k=4), "tree": TREE,
-         "K=2_reduced_vocab": dict(num_draft_tokens=2, reduced=True),
-         "tree_reduced_vocab": dict(**TREE, reduced=True),
+MODES = {"plain": dict(), "K=1": dict(num_draft_tokens=1), "K=2": dict(num_draft_tokens=2),
+         "K=4": dict(num_draft_tokens=4), "tree": TREE,
+         "K=2_reduced_vocab": dict(num_draft_tokens=2), "tree_reduced_vocab": TREE,
          # with drafts from the text (`decoding.suffix`): point masses, by recursive rejection
-         "hybrid_K=2": dict(k=2, proposer="hybrid"),
+         "hybrid_K=2": dict(num_draft_tokens=2, proposer="hybrid"),
          "hybrid_tree": dict(**TREE, proposer="hybrid")}
-
-
-def generate_kw(mode: str) -> dict:
-    """MODES[mode] as generate's keywords."""
-    m = dict(MODES[mode])
-    m.pop("reduced", None)
-    if "k" in m:
-        m["num_draft_tokens"] = m.pop("k")
-    return m
 PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.85, top_k=5)]
 # Every mode at temperature 1; the warped distribution on a chain and a tree (suite time).
 CASES = [(m, PARAMS[0]) for m in MODES] + [("K=2", PARAMS[1]), ("tree", PARAMS[1])]
@@ -373,7 +363,7 @@ def exact(tiny):
 @pytest.mark.parametrize("mode,params", CASES,
                          ids=[f"{m}-t{p.temperature}-p{p.top_p}-k{p.top_k}" for m, p in CASES])
 def test_speculative_sampling_matches_the_exact_distribution(tiny, exact, mode, params):
-    outputs, accepted = draw(spec_for(tiny, mode), [3, 7, 1], params, MODES[mode])
+    outputs, accepted = draw(spec_for(tiny, mode), [3, 7, 1], params, mode)
     for span, p in pair_p_values(outputs, exact[params]).items():
         assert p > 1e-3, (mode, span, p)
     if mode != "plain":  # hundreds of accepted drafts: the rules ran, over several rounds
@@ -472,7 +462,7 @@ def test_a_broken_sampler_fails_the_end_to_end_check(tiny, exact, bug, monkeypat
 
     monkeypatch.setattr(accept, "speculative_accept", bug)
     params = PARAMS[0]
-    outputs, _ = draw(spec_for(tiny, "K=2"), [3, 7, 1], params, MODES["K=2"])
+    outputs, _ = draw(spec_for(tiny, "K=2"), [3, 7, 1], params, "K=2")
     assert min(pair_p_values(outputs, exact[params]).values()) < 1e-6
 
 
@@ -486,7 +476,7 @@ def test_a_broken_tree_rule_fails_the_end_to_end_check(tiny, exact, mode, monkey
 
     monkeypatch.setattr(accept, "tree_accept", _keep_first_child)
     params = PARAMS[0]
-    outputs, _ = draw(spec_for(tiny, mode), [3, 7, 1], params, MODES[mode])
+    outputs, _ = draw(spec_for(tiny, mode), [3, 7, 1], params, mode)
     assert min(pair_p_values(outputs, exact[params]).values()) < 1e-6
 
 
@@ -494,7 +484,7 @@ def test_a_broken_tree_rule_fails_the_end_to_end_check(tiny, exact, mode, monkey
 def test_same_seed_same_output(tiny, mode):
     spec = spec_for(tiny, mode)
     run = lambda seed: spec.generate([1, 2, 3], 12, temperature=1.0, seed=seed, stop_token_ids=[],  # noqa: E731
-                                     **generate_kw(mode)).token_ids
+                                     **MODES[mode]).token_ids
     assert run(7) == run(7)
     assert len({tuple(run(s)) for s in range(8)}) > 1
 
@@ -506,7 +496,7 @@ def test_top_k_one_is_greedy(tiny, mode):
     spec = spec_for(tiny, mode)
     greedy = Eagle3Speculator(target).generate([4, 5], 15, stop_token_ids=[]).token_ids
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
-        got = spec.generate([4, 5], 15, temperature=1.0, seed=0, stop_token_ids=[], **kw, **generate_kw(mode))
+        got = spec.generate([4, 5], 15, temperature=1.0, seed=0, stop_token_ids=[], **kw, **MODES[mode])
         assert got.token_ids == greedy
 
 
